@@ -1,0 +1,44 @@
+"""stratagem: PyTorch training strategies as frozen records of plain functions.
+
+The public surface; everything here is re-exported from a private module.
+"""
+
+from stratagem.checkpoint import unwrap as unwrap
+from stratagem.devices import DeviceSpec as DeviceSpec
+from stratagem.env import Context as Context
+from stratagem.env import Env as Env
+from stratagem.env import detect_env as detect_env
+from stratagem.errors import EnvError as EnvError
+from stratagem.errors import LaunchError as LaunchError
+from stratagem.errors import RankError as RankError
+from stratagem.errors import StratagemError as StratagemError
+from stratagem.errors import StrategyFieldError as StrategyFieldError
+from stratagem.errors import UsageError as UsageError
+from stratagem.fields import ReduceOp as ReduceOp
+from stratagem.launchers import launch as launch
+from stratagem.strategies.single import single_device as single_device
+from stratagem.strategy import Strategy as Strategy
+from stratagem.strategy import StrategyLike as StrategyLike
+from stratagem.training import move_to_device as move_to_device
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Context",
+    "DeviceSpec",
+    "Env",
+    "EnvError",
+    "LaunchError",
+    "RankError",
+    "ReduceOp",
+    "StratagemError",
+    "Strategy",
+    "StrategyFieldError",
+    "StrategyLike",
+    "UsageError",
+    "detect_env",
+    "launch",
+    "move_to_device",
+    "single_device",
+    "unwrap",
+]

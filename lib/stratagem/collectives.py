@@ -1,0 +1,196 @@
+"""Collectives over a context's process group: reduce, gather, broadcast, barrier.
+
+The same functions serve every built-in: on a world of one (no process group)
+they are identities that still validate their input, so a program that is
+wrong on N ranks is already wrong on one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from stratagem.env import Context
+from stratagem.errors import UsageError, describe
+from stratagem.fields import REDUCE_OPS, ReduceOp
+
+__all__ = ["barrier", "broadcast", "gather", "reduce"]
+
+_TORCH_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.SUM,  # divided by the world size afterwards: gloo has no AVG
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+
+# Dtype codes for the metadata exchanged before a gather; index = code.
+_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
+
+
+def _check_tensor(tensor: object, function: str) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise UsageError(
+            f"{function}: 'tensor' must be a torch.Tensor (got {describe(tensor)}); "
+            "wrap a number with torch.tensor(value)."
+        )
+    return tensor
+
+
+def _check_op(op: object) -> ReduceOp:
+    if op not in REDUCE_OPS:
+        raise UsageError(
+            f"reduce: 'op' must be one of {', '.join(map(repr, REDUCE_OPS))} (got {describe(op)})."
+        )
+    return op
+
+
+def _distributed(ctx: Context) -> bool:
+    return ctx.group is not None and ctx.world_size > 1
+
+
+def reduce(tensor: torch.Tensor, op: ReduceOp, ctx: Context) -> torch.Tensor:
+    """Return the reduction of ``tensor`` over all ranks as a new tensor.
+
+    Args:
+        tensor: a floating or integer tensor, the same shape on every rank.
+        op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
+        ctx: the joined world.
+
+    Returns:
+        A new tensor; ``tensor`` itself is never modified.
+
+    Raises:
+        UsageError: ``op`` is unknown, ``tensor`` is not a tensor, or ``op`` is
+            ``"mean"`` on an integer or boolean tensor (cast it to a floating
+            dtype first, or reduce with ``"sum"`` and divide yourself), or the
+            dtype is complex or boolean (not supported by every backend).
+
+    Example:
+        >>> import torch, stratagem as sg
+        >>> ctx = sg.single_device("cpu").setup(sg.Env())
+        >>> reduce(torch.tensor([1.0, 3.0]), "mean", ctx)
+        tensor([1., 3.])
+    """
+    tensor = _check_tensor(tensor, "reduce")
+    op = _check_op(op)
+    if tensor.dtype == torch.bool or tensor.is_complex():
+        raise UsageError(
+            f"reduce: dtype {tensor.dtype} is not supported; convert to an integer or "
+            "floating dtype first (e.g. tensor.long())."
+        )
+    if op == "mean" and not tensor.is_floating_point():
+        raise UsageError(
+            f"reduce: 'mean' of a {tensor.dtype} tensor has no exact {tensor.dtype} result; "
+            "cast to a floating dtype first (tensor.float()), or use 'sum' and divide."
+        )
+    result = tensor.clone()
+    if not _distributed(ctx):
+        return result
+    dist.all_reduce(result, op=_TORCH_OPS[op], group=ctx.group)
+    if op == "mean":
+        result /= ctx.world_size
+    return result
+
+
+def _shape_message(shapes: list[tuple[int, ...]], dtypes: list[torch.dtype]) -> str:
+    parts = [
+        f"rank {r}: {tuple(s)} {d}" for r, (s, d) in enumerate(zip(shapes, dtypes, strict=True))
+    ]
+    return "; ".join(parts)
+
+
+def gather(tensor: torch.Tensor, ctx: Context) -> torch.Tensor:
+    """Return every rank's ``tensor`` stacked along a new first dimension.
+
+    Every rank receives the whole result (an all-gather). Shapes and dtypes are
+    compared first, so a mismatch is an error on every rank instead of a hang.
+
+    Args:
+        tensor: this rank's contribution.
+        ctx: the joined world.
+
+    Returns:
+        A tensor of shape ``(world_size, *tensor.shape)``; row ``r`` is rank ``r``'s.
+
+    Raises:
+        UsageError: ``tensor`` is not a tensor, or ranks disagree on shape or
+            dtype (the message lists each rank's shape and dtype).
+    """
+    tensor = _check_tensor(tensor, "gather")
+    if not _distributed(ctx):
+        return tensor.unsqueeze(0).clone()
+    if tensor.dtype not in _DTYPES:
+        raise UsageError(f"gather: dtype {tensor.dtype} is not supported by gather.")
+    # Exchange (ndim, dtype) first, then the shapes, so mismatches are caught before data moves.
+    meta = torch.tensor([tensor.dim(), _DTYPES.index(tensor.dtype)], device=tensor.device)
+    metas = [torch.empty_like(meta) for _ in range(ctx.world_size)]
+    dist.all_gather(metas, meta, group=ctx.group)
+    dims = [int(m[0]) for m in metas]
+    dtypes = [_DTYPES[int(m[1])] for m in metas]
+    if len(set(dims)) == 1 and tensor.dim() > 0:
+        shape = torch.tensor(tensor.shape, device=tensor.device)
+        shape_list = [torch.empty_like(shape) for _ in range(ctx.world_size)]
+        dist.all_gather(shape_list, shape, group=ctx.group)
+        shapes = [tuple(int(d) for d in s) for s in shape_list]
+    else:
+        shapes = [tuple(tensor.shape) if d == tensor.dim() else (-1,) * d for d in dims]
+    if len(set(shapes)) != 1 or len(set(dtypes)) != 1:
+        raise UsageError(
+            "gather: every rank must pass a tensor of the same shape and dtype, but got "
+            f"{_shape_message(shapes, dtypes)}. Pad to a common shape first."
+        )
+    out = [torch.empty_like(tensor) for _ in range(ctx.world_size)]
+    dist.all_gather(out, tensor.contiguous(), group=ctx.group)
+    return torch.stack(out)
+
+
+def broadcast(obj: Any, ctx: Context, *, src: int = 0) -> Any:
+    """Return rank ``src``'s ``obj`` on every rank.
+
+    Tensors travel as tensors (placed on this rank's device); any other
+    object must be picklable and travels pickled. On ``src`` a tensor is
+    returned as a copy, so the result never aliases the input.
+
+    Raises:
+        UsageError: ``src`` is not a rank of this world.
+    """
+    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < ctx.world_size:
+        raise UsageError(
+            f"broadcast: 'src' must be a rank in [0, {ctx.world_size}) (got {describe(src)})."
+        )
+    if not _distributed(ctx):
+        return obj.clone() if isinstance(obj, torch.Tensor) else obj
+    # One pickled message says what is coming: the object itself, or a tensor's shape and dtype.
+    header: list[Any] = [None]
+    if ctx.rank == src:
+        is_tensor = isinstance(obj, torch.Tensor)
+        header[0] = ("tensor", obj.shape, obj.dtype) if is_tensor else ("object", obj)
+    dist.broadcast_object_list(header, src=src, group=ctx.group)
+    if header[0][0] == "object":
+        return header[0][1]
+    _, shape, dtype = header[0]
+    if ctx.rank == src:
+        data = obj.detach().clone().to(ctx.device)
+    else:
+        data = torch.empty(shape, dtype=dtype, device=ctx.device)
+    dist.broadcast(data, src=src, group=ctx.group)
+    return data
+
+
+def barrier(ctx: Context) -> None:
+    """Return once every rank has called it (immediately on a world of one)."""
+    if _distributed(ctx):
+        dist.barrier(group=ctx.group)

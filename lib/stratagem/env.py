@@ -1,0 +1,290 @@
+"""The world a process belongs to: `Env` (what the launcher says) and `Context` (the joined world).
+
+`detect_env` is a pure function of a mapping, so it is tested on generated
+environments without touching ``os.environ``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Literal
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from stratagem.errors import EnvError, describe
+
+__all__ = ["Context", "Env", "EnvSource", "detect_env"]
+
+EnvSource = Literal["single", "torchrun", "slurm", "spawn"]
+
+# SLURM job names that mean "an interactive shell", where the user starts processes by hand.
+_INTERACTIVE_JOB_NAMES = frozenset({"bash", "sh", "zsh", "interactive"})
+# Ports derived from a SLURM job id fall in [_SLURM_PORT_BASE, _SLURM_PORT_BASE + _SLURM_PORT_SPAN).
+_SLURM_PORT_BASE = 15000
+_SLURM_PORT_SPAN = 20000
+
+
+def _non_negative(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise EnvError(f"Env.{attribute.name} must be a non-negative int (got {describe(value)}).")
+
+
+def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise EnvError(f"Env.{attribute.name} must be a positive int (got {describe(value)}).")
+
+
+@attrs.frozen(kw_only=True)
+class Env:
+    """What the launcher or cluster says about this process.
+
+    Attributes:
+        rank: global rank, ``0 <= rank < world_size``.
+        local_rank: rank on this node, ``0 <= local_rank < local_world_size``.
+        world_size: number of processes in the world.
+        local_world_size: number of processes on this node.
+        node_rank: index of this node.
+        master_addr: host of the rendezvous store.
+        master_port: port of the rendezvous store (0 when there is none).
+        source: who described the world: ``"single"`` (a plain process),
+            ``"torchrun"``, ``"slurm"`` or ``"spawn"`` (stratagem's own launcher).
+        agent_store: whether a launcher agent (torchrun, or stratagem's spawn
+            parent) already hosts the store at ``master_addr:master_port``, so
+            every rank connects to it as a client.
+    """
+
+    rank: int = attrs.field(default=0, validator=_non_negative)
+    local_rank: int = attrs.field(default=0, validator=_non_negative)
+    world_size: int = attrs.field(default=1, validator=_positive)
+    local_world_size: int = attrs.field(default=1, validator=_positive)
+    node_rank: int = attrs.field(default=0, validator=_non_negative)
+    master_addr: str = "127.0.0.1"
+    master_port: int = attrs.field(default=0, validator=_non_negative)
+    source: EnvSource = "single"
+    agent_store: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.rank >= self.world_size:
+            raise EnvError(
+                f"Env.rank must be below world_size (got rank={self.rank}, "
+                f"world_size={self.world_size})."
+            )
+        if self.local_rank >= self.local_world_size:
+            raise EnvError(
+                f"Env.local_rank must be below local_world_size (got local_rank="
+                f"{self.local_rank}, local_world_size={self.local_world_size})."
+            )
+        if self.local_world_size > self.world_size:
+            raise EnvError(
+                f"Env.local_world_size must not exceed world_size (got local_world_size="
+                f"{self.local_world_size}, world_size={self.world_size})."
+            )
+        if self.master_port > 65535:
+            raise EnvError(f"Env.master_port must be at most 65535 (got {self.master_port}).")
+
+    @property
+    def is_distributed(self) -> bool:
+        """Whether a launcher outside this process started the world."""
+        return self.source != "single"
+
+
+@attrs.frozen(kw_only=True)
+class Context:
+    """A joined world: the `Env`, this process's device and its process group.
+
+    `setup` returns it; every other field of a strategy receives it. It is
+    frozen: per-run state that changes lives in values the functions return.
+    """
+
+    env: Env
+    device: torch.device
+    group: dist.ProcessGroup | None = None
+
+    @property
+    def rank(self) -> int:
+        """Global rank of this process."""
+        return self.env.rank
+
+    @property
+    def local_rank(self) -> int:
+        """Rank of this process on its node."""
+        return self.env.local_rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes in the world."""
+        return self.env.world_size
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this is global rank 0, the rank that prints and writes."""
+        return self.env.rank == 0
+
+
+def _int(environ: Mapping[str, str], name: str) -> int:
+    raw = environ[name]
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise EnvError(f"environment variable {name} must be an integer (got {raw!r}).") from None
+    if value < 0:
+        raise EnvError(f"environment variable {name} must be non-negative (got {raw!r}).")
+    return value
+
+
+def _require(environ: Mapping[str, str], names: tuple[str, ...], launcher: str) -> None:
+    missing = [name for name in names if name not in environ]
+    if missing:
+        raise EnvError(
+            f"{launcher} environment is incomplete: {', '.join(missing)} not set "
+            f"(found {', '.join(n for n in names if n in environ)}). Set all of "
+            f"{', '.join(names)}, or none to run as a single process."
+        )
+
+
+def _checked(build: Callable[[], Env], variables: Mapping[str, str]) -> Env:
+    """Build an Env, restating a contradiction in terms of the variables that caused it."""
+    try:
+        return build()
+    except EnvError as error:
+        shown = ", ".join(f"{k}={v!r}" for k, v in variables.items())
+        raise EnvError(f"contradictory environment ({shown}): {error}") from None
+
+
+def _torchrun(environ: Mapping[str, str]) -> Env:
+    names = ("RANK", "WORLD_SIZE")
+    _require(environ, names, "torchrun")
+    rank, world_size = _int(environ, "RANK"), _int(environ, "WORLD_SIZE")
+    local_rank = _int(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else rank
+    if "LOCAL_WORLD_SIZE" in environ:
+        local_world_size = _int(environ, "LOCAL_WORLD_SIZE")
+    else:
+        local_world_size = world_size
+    node_rank = _int(environ, "GROUP_RANK") if "GROUP_RANK" in environ else 0
+    port = _int(environ, "MASTER_PORT") if "MASTER_PORT" in environ else 29500
+    used = {n: environ[n] for n in (*names, "LOCAL_RANK", "LOCAL_WORLD_SIZE") if n in environ}
+    return _checked(
+        lambda: Env(
+            rank=rank,
+            local_rank=local_rank,
+            world_size=world_size,
+            local_world_size=local_world_size,
+            node_rank=node_rank,
+            master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=port,
+            source="torchrun",
+            agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+        ),
+        used,
+    )
+
+
+_TASKS_PER_NODE = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
+
+
+def _slurm_tasks_on_node(spec: str, node: int) -> int:
+    """Read SLURM_NTASKS_PER_NODE / SLURM_TASKS_PER_NODE, e.g. ``"4"``, ``"2(x3),1"``."""
+    counts: list[int] = []
+    for part in spec.split(","):
+        match = _TASKS_PER_NODE.match(part.strip())
+        if match is None:
+            raise EnvError(
+                f"environment variable SLURM_NTASKS_PER_NODE is malformed (got {spec!r}); "
+                "expected a form such as '4' or '2(x3),1'."
+            )
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    if len(counts) == 1:
+        return counts[0]
+    if node >= len(counts):
+        raise EnvError(
+            f"SLURM_NODEID={node} but SLURM_NTASKS_PER_NODE={spec!r} describes {len(counts)} nodes."
+        )
+    return counts[node]
+
+
+def _slurm_first_host(nodelist: str) -> str:
+    """First host of a SLURM node list: ``"gpu[003-005,9],cpu1"`` gives ``"gpu003"``."""
+    first = re.match(r"^([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if first is None or not first.group(1):
+        raise EnvError(f"environment variable SLURM_NODELIST is malformed (got {nodelist!r}).")
+    prefix, ranges = first.group(1), first.group(2)
+    if ranges is None:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def _slurm(environ: Mapping[str, str]) -> Env:
+    names = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_NODELIST")
+    _require(environ, names, "SLURM")
+    rank, local_rank = _int(environ, "SLURM_PROCID"), _int(environ, "SLURM_LOCALID")
+    world_size = _int(environ, "SLURM_NTASKS")
+    node_rank = _int(environ, "SLURM_NODEID") if "SLURM_NODEID" in environ else 0
+    per_node = environ.get("SLURM_NTASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+    local_world_size = world_size if per_node is None else _slurm_tasks_on_node(per_node, node_rank)
+    if "MASTER_PORT" in environ:
+        port = _int(environ, "MASTER_PORT")
+    elif "SLURM_JOB_ID" in environ:
+        port = _SLURM_PORT_BASE + _int(environ, "SLURM_JOB_ID") % _SLURM_PORT_SPAN
+    else:
+        raise EnvError(
+            "SLURM environment has neither MASTER_PORT nor SLURM_JOB_ID; set MASTER_PORT."
+        )
+    addr = environ.get("MASTER_ADDR") or _slurm_first_host(environ["SLURM_NODELIST"])
+    used = {
+        n: environ[n] for n in (*names, "SLURM_NODEID", "SLURM_NTASKS_PER_NODE") if n in environ
+    }
+    return _checked(
+        lambda: Env(
+            rank=rank,
+            local_rank=local_rank,
+            world_size=world_size,
+            local_world_size=local_world_size,
+            node_rank=node_rank,
+            master_addr=addr,
+            master_port=port,
+            source="slurm",
+            agent_store=False,
+        ),
+        used,
+    )
+
+
+def _is_slurm_batch(environ: Mapping[str, str]) -> bool:
+    if "SLURM_NTASKS" not in environ and "SLURM_PROCID" not in environ:
+        return False
+    return environ.get("SLURM_JOB_NAME", "") not in _INTERACTIVE_JOB_NAMES
+
+
+def detect_env(environ: Mapping[str, str]) -> Env:
+    """Describe the world this process belongs to from its environment variables.
+
+    torchrun / TorchElastic variables win over SLURM ones (torchrun inside a
+    SLURM allocation is a torchrun world). A SLURM interactive shell
+    (``SLURM_JOB_NAME`` of ``bash``, ``interactive``, ...) counts as a single
+    process. Without either, the process is a world of one.
+
+    Args:
+        environ: the variables, usually ``os.environ``.
+
+    Returns:
+        The `Env` they describe.
+
+    Raises:
+        EnvError: a variable is malformed (not an integer, negative) or the
+            variables contradict each other (``RANK >= WORLD_SIZE``); the
+            message names the variables and values.
+
+    Example:
+        >>> detect_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}).rank
+        1
+        >>> detect_env({}).source
+        'single'
+    """
+    if "RANK" in environ or "WORLD_SIZE" in environ or "TORCHELASTIC_RUN_ID" in environ:
+        return _torchrun(environ)
+    if _is_slurm_batch(environ):
+        return _slurm(environ)
+    return Env()

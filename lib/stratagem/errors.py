@@ -1,0 +1,99 @@
+"""Exceptions raised by stratagem.
+
+Every error is a :class:`StratagemError` and also the builtin it resembles, so
+``except TypeError`` or ``except ValueError`` in user code keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "EnvError",
+    "LaunchError",
+    "RankError",
+    "StratagemError",
+    "StrategyFieldError",
+    "UsageError",
+]
+
+
+class StratagemError(Exception):
+    """Base class of every error stratagem raises on purpose."""
+
+
+class StrategyFieldError(StratagemError, TypeError):
+    """A `Strategy` field is not a function that accepts its documented arguments."""
+
+
+class EnvError(StratagemError, ValueError):
+    """The environment (torchrun, SLURM, ...) is malformed or contradictory."""
+
+
+class UsageError(StratagemError, ValueError):
+    """An argument has a value the called function cannot work with."""
+
+
+class LaunchError(StratagemError, RuntimeError):
+    """Processes could not be started, or the world they describe is wrong."""
+
+
+class RankError(StratagemError, RuntimeError):
+    """A rank of a launched world raised or died.
+
+    Attributes:
+        rank: the global rank that failed first.
+        exc_type: the qualified name of the original exception type, or ``None``
+            when the process died without raising (killed, crashed).
+        message: the original exception's message, or a description of the exit.
+        remote_traceback: the traceback formatted in the failing process.
+        exitcode: the process exit code (negative: killed by that signal), when
+            the process died without raising.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        *,
+        exc_type: str | None,
+        message: str,
+        remote_traceback: str = "",
+        exitcode: int | None = None,
+    ) -> None:
+        self.rank = rank
+        self.exc_type = exc_type
+        self.message = message
+        self.remote_traceback = remote_traceback
+        self.exitcode = exitcode
+        what = f"{exc_type}: {message}" if exc_type else message
+        text = f"rank {rank} failed: {what}"
+        if remote_traceback:
+            text += f"\n\nTraceback from rank {rank}:\n{remote_traceback.rstrip()}"
+        super().__init__(text)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Keyword-only fields need an explicit recipe to survive pickling.
+        return (
+            _rebuild_rank_error,
+            (self.rank, self.exc_type, self.message, self.remote_traceback, self.exitcode),
+        )
+
+
+def _rebuild_rank_error(
+    rank: int, exc_type: str | None, message: str, remote_traceback: str, exitcode: int | None
+) -> RankError:
+    return RankError(
+        rank,
+        exc_type=exc_type,
+        message=message,
+        remote_traceback=remote_traceback,
+        exitcode=exitcode,
+    )
+
+
+def describe(value: object) -> str:
+    """Return ``repr(value)`` with its type, as error messages show a bad value."""
+    text = repr(value)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    kind = type(value).__name__
+    article = "an" if kind[:1].lower() in "aeiou" else "a"
+    return f"{text}, {article} {kind}"

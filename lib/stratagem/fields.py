@@ -1,0 +1,185 @@
+"""Callback protocols: the type of each `Strategy` field, and the calling convention it promises.
+
+Leading parameters are positional-only, so a user's function may name them as
+it likes; keyword parameters (``forward``, ``src``) are part of the contract.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from stratagem.env import Context, Env
+    from stratagem.strategy import StrategyLike
+
+__all__ = [
+    "BackwardFn",
+    "BarrierFn",
+    "BroadcastFn",
+    "ForwardFn",
+    "GatherFn",
+    "LaunchFn",
+    "LoadFn",
+    "NoSyncFn",
+    "ReduceFn",
+    "ReduceOp",
+    "SaveFn",
+    "SetupFn",
+    "ShardFn",
+    "StepFn",
+    "TeardownFn",
+    "UpdateFn",
+    "WrapFn",
+]
+
+ReduceOp = Literal["sum", "mean", "max", "min"]
+REDUCE_OPS: tuple[ReduceOp, ...] = ("sum", "mean", "max", "min")
+
+ForwardFn = Callable[[torch.nn.Module, Any], Any]
+"""A user's forward: ``forward(module, batch) -> output`` (a loss, logits, ...)."""
+
+
+class LaunchFn(Protocol):
+    """Start the processes of a world and run ``fn(strategy, ctx, *args)`` on each."""
+
+    def __call__(
+        self,
+        fn: Callable[..., Any],
+        strategy: StrategyLike,
+        devices: int,
+        args: Sequence[Any],
+        /,
+    ) -> list[Any]:
+        """Return every rank's result, in rank order."""
+        ...
+
+
+class SetupFn(Protocol):
+    """Join the world described by an `Env`."""
+
+    def __call__(self, env: Env, /) -> Context:
+        """Return the joined world (device, process group)."""
+        ...
+
+
+class TeardownFn(Protocol):
+    """Leave the world joined by `setup`."""
+
+    def __call__(self, ctx: Context, /) -> None:
+        """Release the process group and anything `setup` acquired."""
+        ...
+
+
+class WrapFn(Protocol):
+    """Prepare a module for training: move it, convert it, wrap it."""
+
+    def __call__(self, module: torch.nn.Module, ctx: Context, /) -> torch.nn.Module:
+        """Return the module to train (possibly a wrapper around ``module``)."""
+        ...
+
+
+class StepFn(Protocol):
+    """Run a forward pass under the strategy's placement and forward context."""
+
+    def __call__(
+        self,
+        module: torch.nn.Module,
+        batch: Any,
+        ctx: Context,
+        /,
+        *,
+        forward: ForwardFn | None = None,
+    ) -> Any:
+        """Return ``forward(module, batch)``, or ``module(batch)`` without ``forward``."""
+        ...
+
+
+class BackwardFn(Protocol):
+    """Backpropagate a loss (scaling it where the precision needs that)."""
+
+    def __call__(self, loss: torch.Tensor, module: torch.nn.Module, ctx: Context, /) -> None:
+        """Accumulate gradients of ``loss`` into ``module``'s parameters."""
+        ...
+
+
+class UpdateFn(Protocol):
+    """Apply the accumulated gradients."""
+
+    def __call__(
+        self, optimizer: torch.optim.Optimizer, module: torch.nn.Module, ctx: Context, /
+    ) -> None:
+        """Step the optimizer, then zero the gradients."""
+        ...
+
+
+class NoSyncFn(Protocol):
+    """Suspend gradient synchronisation, for accumulation over micro-batches."""
+
+    def __call__(self, module: torch.nn.Module, ctx: Context, /) -> AbstractContextManager[Any]:
+        """Return a context manager inside which backward does not synchronise."""
+        ...
+
+
+class ReduceFn(Protocol):
+    """Combine a tensor across ranks."""
+
+    def __call__(self, tensor: torch.Tensor, op: ReduceOp, ctx: Context, /) -> torch.Tensor:
+        """Return a new tensor holding the reduction; the input is left unchanged."""
+        ...
+
+
+class GatherFn(Protocol):
+    """Collect a tensor from every rank."""
+
+    def __call__(self, tensor: torch.Tensor, ctx: Context, /) -> torch.Tensor:
+        """Return the tensors stacked along a new first dimension of size world size."""
+        ...
+
+
+class BroadcastFn(Protocol):
+    """Send a tensor or a picklable object from one rank to all."""
+
+    def __call__(self, obj: Any, ctx: Context, /, *, src: int = 0) -> Any:
+        """Return rank ``src``'s ``obj`` on every rank."""
+        ...
+
+
+class BarrierFn(Protocol):
+    """Wait until every rank arrives."""
+
+    def __call__(self, ctx: Context, /) -> None:
+        """Return once all ranks have called it."""
+        ...
+
+
+class ShardFn(Protocol):
+    """Give this rank its share of a data loader."""
+
+    def __call__(self, loader: Iterable[Any], ctx: Context, /) -> Iterable[Any]:
+        """Return an iterable over this rank's batches."""
+        ...
+
+
+class SaveFn(Protocol):
+    """Write a checkpoint."""
+
+    def __call__(
+        self, path: str | os.PathLike[str], state: Mapping[str, Any], ctx: Context, /
+    ) -> None:
+        """Save ``state`` (modules, optimizers, plain values) at ``path``."""
+        ...
+
+
+class LoadFn(Protocol):
+    """Read a checkpoint into live objects."""
+
+    def __call__(
+        self, path: str | os.PathLike[str], state: Mapping[str, Any], ctx: Context, /
+    ) -> dict[str, Any]:
+        """Restore ``state``'s objects in place and return the plain values."""
+        ...

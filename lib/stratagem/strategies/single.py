@@ -1,0 +1,88 @@
+"""``single_device()``: one process, one device, collectives that are identities."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TypeVar
+
+import attrs
+import torch
+
+from stratagem import checkpoint, collectives, training
+from stratagem.devices import DeviceSpec, check_device_spec, resolve_device
+from stratagem.env import Context, Env
+from stratagem.errors import LaunchError
+from stratagem.launchers import in_place
+from stratagem.strategy import Strategy
+
+__all__ = ["UseDevice", "keep_loader", "leave", "single_device"]
+
+T = TypeVar("T")
+
+
+@attrs.frozen
+class UseDevice:
+    """Setup field of a one-process world: pick the device, join no process group."""
+
+    device: DeviceSpec = "auto"
+
+    def __call__(self, env: Env) -> Context:
+        if env.world_size != 1:
+            raise LaunchError(
+                f"single_device() runs one process, but {env.source!r} started a world of "
+                f"{env.world_size}; use ddp() to train on all of them."
+            )
+        return Context(env=env, device=resolve_device(self.device, env.local_rank))
+
+
+def leave(ctx: Context) -> None:
+    """Teardown field of a world with nothing to release."""
+
+
+def single_device(device: DeviceSpec = "auto") -> Strategy:
+    """Train in this process on one device.
+
+    Args:
+        device: ``"auto"`` (CUDA, then MPS, then CPU), a device string such as
+            ``"cpu"`` or ``"cuda:1"``, or a ``torch.device``.
+
+    Returns:
+        A `Strategy` whose collectives are identities for a world of one.
+
+    Raises:
+        UsageError: ``device`` is not a device specification.
+
+    Example:
+        >>> import torch, stratagem as sg
+        >>> strategy = sg.single_device("cpu")
+        >>> ctx = strategy.setup(sg.Env())
+        >>> model = strategy.wrap(torch.nn.Linear(2, 1), ctx)
+        >>> strategy.step(model, torch.ones(3, 2), ctx).shape
+        torch.Size([3, 1])
+    """
+    device = check_device_spec(device)
+    if isinstance(device, torch.device):
+        device = str(device)  # a string keeps the record picklable and its repr short
+    return Strategy(
+        name="single_device",
+        launch=in_place,
+        setup=UseDevice(device),
+        wrap=training.to_device,
+        step=training.step,
+        backward=training.backward,
+        update=training.update,
+        no_sync=training.no_sync,
+        reduce=collectives.reduce,
+        gather=collectives.gather,
+        broadcast=collectives.broadcast,
+        barrier=collectives.barrier,
+        shard=keep_loader,
+        save=checkpoint.save,
+        load=checkpoint.load,
+        teardown=leave,
+    )
+
+
+def keep_loader(loader: Iterable[T], ctx: Context) -> Iterable[T]:
+    """Shard field of a world of one: the whole loader is this rank's share."""
+    return loader

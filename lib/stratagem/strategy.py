@@ -1,0 +1,174 @@
+"""The `Strategy` record, the `StrategyLike` protocol, and the validation of their fields.
+
+A strategy is a frozen record of functions. A new strategy is an old one with
+some functions substituted (``attrs.evolve``), and ``attrs.evolve`` re-runs the
+validators here, so every substitution is checked as construction is.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+
+from stratagem.errors import StrategyFieldError, describe
+from stratagem.fields import (
+    BackwardFn,
+    BarrierFn,
+    BroadcastFn,
+    GatherFn,
+    LaunchFn,
+    LoadFn,
+    NoSyncFn,
+    ReduceFn,
+    SaveFn,
+    SetupFn,
+    ShardFn,
+    StepFn,
+    TeardownFn,
+    UpdateFn,
+    WrapFn,
+)
+
+__all__ = ["FIELD_SIGNATURES", "Strategy", "StrategyLike"]
+
+
+@attrs.frozen
+class _Accepts:
+    """Validator: the value is callable with ``positional`` arguments and ``keywords``."""
+
+    signature: str
+    positional: int
+    keywords: tuple[str, ...] = ()
+
+    def __call__(self, instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        name = attribute.name
+        expected = f"{name}{self.signature}"
+        if not callable(value):
+            raise StrategyFieldError(
+                f"'{name}' must be callable as {expected} (got {describe(value)})."
+            )
+        try:
+            signature = inspect.signature(value)
+        except (TypeError, ValueError):
+            return  # builtins and some C callables hide their signature: trust them
+        dummies = [None] * self.positional
+        try:
+            signature.bind(*dummies, **dict.fromkeys(self.keywords))
+        except TypeError as error:
+            raise StrategyFieldError(
+                f"'{name}' must accept the arguments of {expected}, but {value!r} has "
+                f"signature {signature} ({error}). Give it that signature, or wrap it: "
+                f"the leading arguments are passed by position."
+            ) from None
+
+    def __repr__(self) -> str:
+        return f"<accepts {self.signature}>"
+
+
+FIELD_SIGNATURES: dict[str, _Accepts] = {
+    "launch": _Accepts("(fn, strategy, devices, args) -> list", 4),
+    "setup": _Accepts("(env) -> Context", 1),
+    "wrap": _Accepts("(module, ctx) -> module", 2),
+    "step": _Accepts("(module, batch, ctx, *, forward=None) -> output", 3, ("forward",)),
+    "backward": _Accepts("(loss, module, ctx) -> None", 3),
+    "update": _Accepts("(optimizer, module, ctx) -> None", 3),
+    "no_sync": _Accepts("(module, ctx) -> ContextManager", 2),
+    "reduce": _Accepts("(tensor, op, ctx) -> Tensor", 3),
+    "gather": _Accepts("(tensor, ctx) -> Tensor", 2),
+    "broadcast": _Accepts("(obj, ctx, *, src=0) -> obj", 2, ("src",)),
+    "barrier": _Accepts("(ctx) -> None", 1),
+    "shard": _Accepts("(loader, ctx) -> loader", 2),
+    "save": _Accepts("(path, state, ctx) -> None", 3),
+    "load": _Accepts("(path, state, ctx) -> dict", 3),
+    "teardown": _Accepts("(ctx) -> None", 1),
+}
+"""The calling convention of every function field, as validated at construction."""
+
+
+def _name(instance: object, attribute: attrs.Attribute[str], value: object) -> None:
+    if not isinstance(value, str) or not value:
+        raise StrategyFieldError(f"'name' must be a non-empty str (got {describe(value)}).")
+
+
+@attrs.frozen(kw_only=True)
+class Strategy:
+    """A training strategy: a frozen record of the functions a training loop calls.
+
+    Build one with a factory (`single_device`, `ddp`, ...) and derive new ones by
+    substitution, ``attrs.evolve(strategy, reduce=my_reduce)``, or with a
+    combinator. Every field is validated at construction and at every
+    ``attrs.evolve``; assigning to a field raises ``attrs.exceptions.FrozenInstanceError``.
+
+    Raises:
+        StrategyFieldError: a field is not callable or cannot accept its
+            documented arguments (see `FIELD_SIGNATURES`).
+
+    Example:
+        >>> import attrs, stratagem as sg
+        >>> def my_barrier(ctx):
+        ...     pass
+        >>> custom = attrs.evolve(sg.single_device("cpu"), name="custom", barrier=my_barrier)
+        >>> custom.barrier is my_barrier
+        True
+    """
+
+    name: str = attrs.field(validator=_name)
+    launch: LaunchFn = attrs.field(validator=FIELD_SIGNATURES["launch"])
+    setup: SetupFn = attrs.field(validator=FIELD_SIGNATURES["setup"])
+    wrap: WrapFn = attrs.field(validator=FIELD_SIGNATURES["wrap"])
+    step: StepFn = attrs.field(validator=FIELD_SIGNATURES["step"])
+    backward: BackwardFn = attrs.field(validator=FIELD_SIGNATURES["backward"])
+    update: UpdateFn = attrs.field(validator=FIELD_SIGNATURES["update"])
+    no_sync: NoSyncFn = attrs.field(validator=FIELD_SIGNATURES["no_sync"])
+    reduce: ReduceFn = attrs.field(validator=FIELD_SIGNATURES["reduce"])
+    gather: GatherFn = attrs.field(validator=FIELD_SIGNATURES["gather"])
+    broadcast: BroadcastFn = attrs.field(validator=FIELD_SIGNATURES["broadcast"])
+    barrier: BarrierFn = attrs.field(validator=FIELD_SIGNATURES["barrier"])
+    shard: ShardFn = attrs.field(validator=FIELD_SIGNATURES["shard"])
+    save: SaveFn = attrs.field(validator=FIELD_SIGNATURES["save"])
+    load: LoadFn = attrs.field(validator=FIELD_SIGNATURES["load"])
+    teardown: TeardownFn = attrs.field(validator=FIELD_SIGNATURES["teardown"])
+
+
+@runtime_checkable
+class StrategyLike(Protocol):
+    """Anything with a strategy's fields: a `Strategy`, or a user's own record type.
+
+    Members are read-only properties so that frozen records, NamedTuples and
+    plain objects all satisfy it.
+    """
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def launch(self) -> LaunchFn: ...
+    @property
+    def setup(self) -> SetupFn: ...
+    @property
+    def wrap(self) -> WrapFn: ...
+    @property
+    def step(self) -> StepFn: ...
+    @property
+    def backward(self) -> BackwardFn: ...
+    @property
+    def update(self) -> UpdateFn: ...
+    @property
+    def no_sync(self) -> NoSyncFn: ...
+    @property
+    def reduce(self) -> ReduceFn: ...
+    @property
+    def gather(self) -> GatherFn: ...
+    @property
+    def broadcast(self) -> BroadcastFn: ...
+    @property
+    def barrier(self) -> BarrierFn: ...
+    @property
+    def shard(self) -> ShardFn: ...
+    @property
+    def save(self) -> SaveFn: ...
+    @property
+    def load(self) -> LoadFn: ...
+    @property
+    def teardown(self) -> TeardownFn: ...

@@ -1,0 +1,70 @@
+"""Project invariants: a flat hierarchy, a light import, a typed package."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import stratagem
+
+LIB = Path(stratagem.__file__).parent
+ALLOWED_BASES = {"Protocol", "Generic"}
+
+
+def _is_exception(name: str) -> bool:
+    builtin = getattr(__import__("builtins"), name, None)
+    if isinstance(builtin, type) and issubclass(builtin, BaseException):
+        return True
+    errors = vars(__import__("stratagem.errors", fromlist=["x"]))
+    local = errors.get(name)
+    return isinstance(local, type) and issubclass(local, BaseException)
+
+
+def test_no_class_in_lib_subclasses_anything_but_protocol_or_an_exception():
+    offenders = []
+    files = sorted(LIB.rglob("*.py"))
+    assert len(files) > 5
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                for base in node.bases:
+                    name = ast.unparse(base).split(".")[-1].split("[")[0]
+                    if name not in ALLOWED_BASES and not _is_exception(name):
+                        offenders.append(
+                            f"{path.relative_to(LIB)}:{node.lineno} {node.name}({name})"
+                        )
+    assert offenders == []
+
+
+def test_the_walk_would_catch_a_subclass(tmp_path):
+    # Guard against a walk that finds nothing: the same rule applied to a bad sample.
+    tree = ast.parse("class DDP(ParallelStrategy):\n    pass\n")
+    [cls] = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+    assert ast.unparse(cls.bases[0]) not in ALLOWED_BASES and not _is_exception("ParallelStrategy")
+
+
+def test_import_pulls_in_neither_hypothesis_nor_pytest():
+    code = (
+        "import sys, json, stratagem; "
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('hypothesis', 'pytest', '_pytest', 'torch._dynamo', 'numpy.testing'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == []
+
+
+def test_package_is_typed():
+    assert (LIB / "py.typed").exists()
+
+
+def test_public_names_are_all_exported():
+    public = {
+        name
+        for name, value in vars(stratagem).items()
+        if not name.startswith("_") and not isinstance(value, types.ModuleType)
+    }
+    assert set(stratagem.__all__) == public
