@@ -16,6 +16,11 @@ from stratagem.errors import StrategyFieldError as StrategyFieldError
 from stratagem.errors import UsageError as UsageError
 from stratagem.fields import ReduceOp as ReduceOp
 from stratagem.launchers import launch as launch
+from stratagem.sharding import ShardedLoader as ShardedLoader
+from stratagem.sharding import ShardSampler as ShardSampler
+from stratagem.spawn import Spawn as Spawn
+from stratagem.strategies.ddp import ddp as ddp
+from stratagem.strategies.ddp import ddp_spawn as ddp_spawn
 from stratagem.strategies.single import single_device as single_device
 from stratagem.strategy import Strategy as Strategy
 from stratagem.strategy import StrategyLike as StrategyLike
@@ -31,11 +36,16 @@ __all__ = [
     "LaunchError",
     "RankError",
     "ReduceOp",
+    "ShardSampler",
+    "ShardedLoader",
+    "Spawn",
     "StratagemError",
     "Strategy",
     "StrategyFieldError",
     "StrategyLike",
     "UsageError",
+    "ddp",
+    "ddp_spawn",
     "detect_env",
     "launch",
     "move_to_device",

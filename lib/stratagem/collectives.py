@@ -40,6 +40,16 @@ _DTYPES: tuple[torch.dtype, ...] = (
 )
 
 
+# Dtypes some backend cannot carry (gloo has no int16), sent as a wider dtype and cast back.
+# Integer arithmetic wraps the same way after the cast back, so results equal a native reduction.
+_WIRE_DTYPES = {torch.int16: torch.int32}
+
+
+def _to_wire(tensor: torch.Tensor) -> torch.Tensor:
+    wire = _WIRE_DTYPES.get(tensor.dtype)
+    return tensor.clone() if wire is None else tensor.to(wire)
+
+
 def _check_tensor(tensor: object, function: str) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise UsageError(
@@ -96,13 +106,13 @@ def reduce(tensor: torch.Tensor, op: ReduceOp, ctx: Context) -> torch.Tensor:
             f"reduce: 'mean' of a {tensor.dtype} tensor has no exact {tensor.dtype} result; "
             "cast to a floating dtype first (tensor.float()), or use 'sum' and divide."
         )
-    result = tensor.clone()
     if not _distributed(ctx):
-        return result
+        return tensor.clone()
+    result = _to_wire(tensor)
     dist.all_reduce(result, op=_TORCH_OPS[op], group=ctx.group)
     if op == "mean":
         result /= ctx.world_size
-    return result
+    return result.to(tensor.dtype)
 
 
 def _shape_message(shapes: list[tuple[int, ...]], dtypes: list[torch.dtype]) -> str:
@@ -152,9 +162,10 @@ def gather(tensor: torch.Tensor, ctx: Context) -> torch.Tensor:
             "gather: every rank must pass a tensor of the same shape and dtype, but got "
             f"{_shape_message(shapes, dtypes)}. Pad to a common shape first."
         )
-    out = [torch.empty_like(tensor) for _ in range(ctx.world_size)]
-    dist.all_gather(out, tensor.contiguous(), group=ctx.group)
-    return torch.stack(out)
+    wire = _to_wire(tensor).contiguous()
+    out = [torch.empty_like(wire) for _ in range(ctx.world_size)]
+    dist.all_gather(out, wire, group=ctx.group)
+    return torch.stack(out).to(tensor.dtype)
 
 
 def broadcast(obj: Any, ctx: Context, *, src: int = 0) -> Any:
@@ -183,11 +194,11 @@ def broadcast(obj: Any, ctx: Context, *, src: int = 0) -> Any:
         return header[0][1]
     _, shape, dtype = header[0]
     if ctx.rank == src:
-        data = obj.detach().clone().to(ctx.device)
+        data = _to_wire(obj.detach()).to(ctx.device)
     else:
-        data = torch.empty(shape, dtype=dtype, device=ctx.device)
+        data = torch.empty(shape, dtype=_WIRE_DTYPES.get(dtype, dtype), device=ctx.device)
     dist.broadcast(data, src=src, group=ctx.group)
-    return data
+    return data.to(dtype)
 
 
 def barrier(ctx: Context) -> None:

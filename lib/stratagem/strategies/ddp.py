@@ -1,0 +1,285 @@
+"""``ddp()`` and ``ddp_spawn()``: DistributedDataParallel, in place or on spawned local ranks.
+
+``ddp_spawn(**options)`` is ``attrs.evolve(ddp(**options), name="ddp_spawn",
+launch=Spawn())``: the launch field is the whole difference.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+from contextlib import AbstractContextManager
+from datetime import timedelta
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch.distributed import (  # type: ignore[attr-defined]  # exported at run time
+    HashStore,
+    Store,
+    TCPStore,
+)
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import TypedDict, Unpack
+
+from stratagem import checkpoint, collectives, training
+from stratagem.devices import DeviceSpec, check_device_spec, resolve_device
+from stratagem.env import Context, Env
+from stratagem.errors import LaunchError, UsageError, describe
+from stratagem.launchers import in_place
+from stratagem.sharding import shard_loader
+from stratagem.spawn import Spawn
+from stratagem.strategy import Strategy
+
+__all__ = [
+    "DDPArgs",
+    "DDPOptions",
+    "JoinProcessGroup",
+    "WrapDDP",
+    "ddp",
+    "ddp_no_sync",
+    "ddp_spawn",
+    "leave_process_group",
+]
+
+BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
+
+
+def _to_timedelta(value: float | timedelta) -> timedelta:
+    if isinstance(value, timedelta):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UsageError(
+            f"'timeout' must be seconds (a number) or a datetime.timedelta (got {describe(value)})."
+        )
+    return timedelta(seconds=value)
+
+
+def _positive_timeout(
+    instance: object, attribute: attrs.Attribute[timedelta], value: timedelta
+) -> None:
+    if value.total_seconds() <= 0:
+        raise UsageError(f"'timeout' must be positive (got {value.total_seconds()} seconds).")
+
+
+def _backend(instance: object, attribute: attrs.Attribute[str | None], value: object) -> None:
+    if value is not None and value not in BACKENDS:
+        raise UsageError(
+            f"'backend' must be None (gloo on CPU, nccl on CUDA) or one of "
+            f"{', '.join(map(repr, BACKENDS))} (got {describe(value)})."
+        )
+
+
+@attrs.frozen(kw_only=True)
+class JoinProcessGroup:
+    """Setup field of a multi-process world: choose the device, join the default process group.
+
+    Every rank connects to the store at ``master_addr:master_port``; rank 0
+    hosts it unless a launcher agent already does (``env.agent_store``). A
+    world of one uses an in-memory store and needs no port.
+    """
+
+    device: DeviceSpec = "auto"
+    backend: str | None = attrs.field(default=None, validator=_backend)
+    timeout: timedelta = attrs.field(
+        default=timedelta(minutes=30), converter=_to_timedelta, validator=_positive_timeout
+    )
+
+    def __call__(self, env: Env) -> Context:
+        device = resolve_device(self.device, env.local_rank)
+        backend = self.backend or ("nccl" if device.type == "cuda" else "gloo")
+        if dist.is_initialized():
+            raise LaunchError(
+                "setup: a default process group is already initialised in this process; "
+                "call torch.distributed.destroy_process_group() first, or let stratagem own it."
+            )
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        store: Store
+        if env.world_size == 1:
+            store = HashStore()
+        else:
+            store = TCPStore(
+                env.master_addr,
+                env.master_port,
+                world_size=env.world_size,
+                is_master=env.rank == 0 and not env.agent_store,
+                timeout=self.timeout,
+                wait_for_workers=False,
+            )
+        dist.init_process_group(
+            backend, store=store, rank=env.rank, world_size=env.world_size, timeout=self.timeout
+        )
+        return Context(env=env, device=device, group=dist.group.WORLD)
+
+
+def leave_process_group(ctx: Context) -> None:
+    """Teardown field: destroy the process group once nothing uses it any more."""
+    # A DDP reducer still alive when a gloo group is destroyed can deadlock: collect first.
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _bucket_cap(instance: object, attribute: attrs.Attribute[float | None], value: object) -> None:
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
+    ):
+        raise UsageError(
+            f"'bucket_cap_mb' must be None or a positive number (got {describe(value)})."
+        )
+
+
+def _flag(instance: object, attribute: attrs.Attribute[bool], value: object) -> None:
+    if not isinstance(value, bool):
+        raise UsageError(f"'{attribute.name}' must be True or False (got {describe(value)}).")
+
+
+@attrs.frozen(kw_only=True)
+class DDPOptions:
+    """Keyword arguments passed to ``DistributedDataParallel``, validated at construction."""
+
+    find_unused_parameters: bool = attrs.field(default=False, validator=_flag)
+    gradient_as_bucket_view: bool = attrs.field(default=False, validator=_flag)
+    static_graph: bool = attrs.field(default=False, validator=_flag)
+    broadcast_buffers: bool = attrs.field(default=True, validator=_flag)
+    bucket_cap_mb: float | None = attrs.field(default=None, validator=_bucket_cap)
+
+
+@attrs.frozen
+class WrapDDP:
+    """Wrap field: move the module to the device and wrap it in ``DistributedDataParallel``."""
+
+    options: DDPOptions = DDPOptions()
+
+    def __call__(self, module: torch.nn.Module, ctx: Context) -> torch.nn.Module:
+        module = training.to_device(module, ctx)
+        if not any(p.requires_grad for p in module.parameters()):
+            raise UsageError(
+                f"wrap: {type(module).__name__} has no parameters that require grad, so "
+                "DistributedDataParallel has nothing to synchronise; wrap a trainable module."
+            )
+        if ctx.group is None:
+            raise UsageError(
+                "wrap: ctx has no process group; pass the Context that ddp().setup returned."
+            )
+        options = attrs.asdict(self.options)
+        if not options.pop("broadcast_buffers"):  # the default (True) is not passed at all
+            options["broadcast_buffers"] = False
+        with warnings.catch_warnings():
+            # torch 2.13 deprecates broadcast_buffers for forward_sync_buffers, which still
+            # syncs at init; the old flag keeps its documented meaning on every supported torch.
+            warnings.filterwarnings("ignore", "`broadcast_buffers` is deprecated", FutureWarning)
+            return DistributedDataParallel(
+                module,
+                device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+                process_group=ctx.group,
+                **options,
+            )
+
+
+def ddp_no_sync(module: torch.nn.Module, ctx: Context) -> AbstractContextManager[Any]:
+    """No-sync field: the wrapper's own ``no_sync``.
+
+    Raises:
+        UsageError: ``module`` is not the ``DistributedDataParallel`` that ``wrap`` returned.
+    """
+    if not isinstance(module, DistributedDataParallel):
+        raise UsageError(
+            f"no_sync: 'module' must be the module wrap returned (a DistributedDataParallel), "
+            f"got {type(module).__name__}."
+        )
+    return module.no_sync()
+
+
+def ddp(
+    *,
+    device: DeviceSpec = "auto",
+    backend: str | None = None,
+    timeout: float | timedelta = timedelta(minutes=30),
+    find_unused_parameters: bool = False,
+    gradient_as_bucket_view: bool = False,
+    static_graph: bool = False,
+    broadcast_buffers: bool = True,
+    bucket_cap_mb: float | None = None,
+) -> Strategy:
+    """DistributedDataParallel on the ranks that torchrun or SLURM started (it runs in place).
+
+    For ranks started here, use `ddp_spawn`, the same record with a launch
+    field that spawns.
+
+    Args:
+        device: ``"auto"`` (``cuda:LOCAL_RANK``, else CPU) or a device.
+        backend: ``None`` picks gloo on CPU and nccl on CUDA.
+        timeout: seconds (or a ``timedelta``) that process-group init and every
+            collective wait before failing.
+        find_unused_parameters: passed to ``DistributedDataParallel``.
+        gradient_as_bucket_view: passed to ``DistributedDataParallel``.
+        static_graph: passed to ``DistributedDataParallel``.
+        broadcast_buffers: passed to ``DistributedDataParallel``.
+        bucket_cap_mb: passed to ``DistributedDataParallel`` (``None``: its default).
+
+    Raises:
+        UsageError: an option has the wrong type or value.
+    """
+    return Strategy(
+        name="ddp",
+        launch=in_place,
+        setup=JoinProcessGroup(device=check_device_spec(device), backend=backend, timeout=timeout),
+        wrap=WrapDDP(
+            DDPOptions(
+                find_unused_parameters=find_unused_parameters,
+                gradient_as_bucket_view=gradient_as_bucket_view,
+                static_graph=static_graph,
+                broadcast_buffers=broadcast_buffers,
+                bucket_cap_mb=bucket_cap_mb,
+            )
+        ),
+        step=training.step,
+        backward=training.backward,
+        update=training.update,
+        no_sync=ddp_no_sync,
+        reduce=collectives.reduce,
+        gather=collectives.gather,
+        broadcast=collectives.broadcast,
+        barrier=collectives.barrier,
+        shard=shard_loader,
+        save=checkpoint.save,
+        load=checkpoint.load,
+        teardown=leave_process_group,
+    )
+
+
+# Functional syntax on purpose: no class statement in lib/ derives from anything but
+# Protocol or an exception, and a TypedDict is a plain dict at run time anyway.
+DDPArgs = TypedDict(  # noqa: UP013
+    "DDPArgs",
+    {
+        "device": DeviceSpec,
+        "backend": "str | None",
+        "timeout": "float | timedelta",
+        "find_unused_parameters": bool,
+        "gradient_as_bucket_view": bool,
+        "static_graph": bool,
+        "broadcast_buffers": bool,
+        "bucket_cap_mb": "float | None",
+    },
+    total=False,
+)
+"""The keyword arguments of `ddp`, for factories that forward them."""
+
+
+def ddp_spawn(*, start: Spawn | None = None, **options: Unpack[DDPArgs]) -> Strategy:
+    """`ddp` whose ranks are spawned on this host: ``ddp()`` with the launch field substituted.
+
+    Args:
+        start: the spawn launcher and its timeouts (default ``Spawn()``).
+        **options: the keyword arguments of `ddp`.
+
+    Example:
+        >>> import attrs, stratagem as sg
+        >>> attrs.evolve(sg.ddp_spawn(), name="ddp", launch=sg.ddp().launch) == sg.ddp()
+        True
+    """
+    return attrs.evolve(ddp(**options), name="ddp_spawn", launch=start or Spawn())

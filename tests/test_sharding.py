@@ -1,0 +1,138 @@
+"""shard(): every sample to exactly one rank per epoch, the user's choices kept, epochs differ."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
+
+import stratagem as sg
+from stratagem.sharding import shard_loader
+
+
+def rank_ctx(rank: int, world_size: int) -> sg.Context:
+    env = sg.Env(
+        rank=rank,
+        local_rank=rank,
+        world_size=world_size,
+        local_world_size=world_size,
+        source="spawn",
+    )
+    return sg.Context(env=env, device=torch.device("cpu"))
+
+
+def samples_per_rank(loader: DataLoader, world_size: int) -> list[list[int]]:
+    """One pass of every rank's shard; the dataset holds its own indices."""
+    seen = []
+    for rank in range(world_size):
+        sharded = shard_loader(loader, rank_ctx(rank, world_size))
+        seen.append([int(x) for (batch,) in sharded for x in batch])
+    return seen
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    size=st.integers(1, 60),
+    world_size=st.integers(1, 5),
+    batch_size=st.integers(1, 7),
+    shuffle=st.booleans(),
+)
+def test_without_drop_last_every_sample_goes_to_exactly_one_rank(
+    size, world_size, batch_size, shuffle
+):
+    loader = DataLoader(TensorDataset(torch.arange(size)), batch_size=batch_size, shuffle=shuffle)
+    seen = samples_per_rank(loader, world_size)
+    flat = sorted(x for share in seen for x in share)
+    assert flat == list(range(size))
+    assert max(map(len, seen)) - min(map(len, seen)) <= 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    size=st.integers(1, 60),
+    world_size=st.integers(1, 5),
+    batch_size=st.integers(1, 7),
+    shuffle=st.booleans(),
+)
+def test_with_drop_last_ranks_get_equal_whole_batches_and_no_sample_twice(
+    size, world_size, batch_size, shuffle
+):
+    loader = DataLoader(
+        TensorDataset(torch.arange(size)), batch_size=batch_size, shuffle=shuffle, drop_last=True
+    )
+    seen = samples_per_rank(loader, world_size)
+    flat = [x for share in seen for x in share]
+    assert len(flat) == len(set(flat))
+    per_rank = size // world_size
+    assert all(len(share) == per_rank - per_rank % batch_size for share in seen)
+    lengths = {len(shard_loader(loader, rank_ctx(r, world_size))) for r in range(world_size)}
+    assert lengths == {per_rank // batch_size}
+
+
+def test_epochs_differ_when_shuffling_and_agree_across_ranks():
+    loader = DataLoader(TensorDataset(torch.arange(40)), batch_size=4, shuffle=True)
+    shards = [shard_loader(loader, rank_ctx(r, 2)) for r in range(2)]
+    epochs = [[[int(x) for (b,) in shard for x in b] for _ in range(2)] for shard in shards]
+    assert epochs[0][0] != epochs[0][1]  # rank 0 sees a new order in epoch 2
+    for epoch in range(2):  # and the ranks still partition the data in each epoch
+        assert sorted(epochs[0][epoch] + epochs[1][epoch]) == list(range(40))
+
+
+def test_without_shuffle_order_is_kept_and_the_seed_carries_over():
+    plain = DataLoader(TensorDataset(torch.arange(10)), batch_size=5)
+    assert samples_per_rank(plain, 2) == [[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]]
+
+    def order(seed: int) -> list[int]:
+        loader = DataLoader(
+            TensorDataset(torch.arange(30)),
+            batch_size=3,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(seed),
+        )
+        return samples_per_rank(loader, 2)[0]
+
+    assert order(5) == order(5)
+    assert order(5) != order(6)
+
+
+def test_batch_size_collate_and_workers_are_kept():
+    def collate(items):
+        return torch.stack([x for (x,) in items]) * 10
+
+    loader = DataLoader(TensorDataset(torch.arange(8)), batch_size=2, collate_fn=collate)
+    sharded = shard_loader(loader, rank_ctx(1, 2))
+    assert [b.tolist() for b in sharded] == [[10, 30], [50, 70]]
+
+
+def test_a_distributed_sampler_is_left_alone():
+    dataset = TensorDataset(torch.arange(8))
+    sampler = DistributedSampler(dataset, num_replicas=2, rank=0, shuffle=True)
+    loader = DataLoader(dataset, batch_size=2, sampler=sampler)
+    sharded = shard_loader(loader, rank_ctx(0, 2))
+    assert sharded.loader is loader
+    list(sharded)
+    list(sharded)
+    assert sampler.epoch == 1  # advanced by the wrapper at each pass
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(4))
+
+
+@pytest.mark.parametrize(
+    ("loader", "message"),
+    [
+        ([1, 2, 3], "must be a torch DataLoader"),
+        (DataLoader(Stream()), "IterableDataset"),
+        (
+            DataLoader(TensorDataset(torch.arange(4)), batch_sampler=[[0, 1], [2, 3]]),
+            "batch_sampler",
+        ),
+    ],
+)
+def test_what_cannot_be_sharded_says_how_to_do_it_by_hand(loader, message):
+    with pytest.raises(sg.UsageError, match=message):
+        shard_loader(loader, rank_ctx(0, 2))
