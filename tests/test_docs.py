@@ -1,14 +1,20 @@
-"""The Python blocks of README.md run as written."""
+"""The Python blocks of README.md and docs/*.md run as written, as one script per page."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+import stratagem
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LIB = Path(stratagem.__file__).resolve().parent.parent
 
 
 def python_blocks(path: Path) -> list[str]:
@@ -16,10 +22,19 @@ def python_blocks(path: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
-def test_python_blocks_run(path, tmp_path, monkeypatch, capsys):
+def test_python_blocks_run(path, tmp_path):
     blocks = python_blocks(path)
     assert blocks, f"{path.name} has no python blocks"
-    monkeypatch.chdir(tmp_path)
-    namespace: dict[str, object] = {"__name__": "__docs__"}
-    for block in blocks:  # blocks of one page share a namespace, as a reader's session would
-        exec(compile(block, str(path), "exec"), namespace)
+    # A real script, so that functions a page sends to spawned processes are importable.
+    script = tmp_path / f"{path.stem}.py"
+    script.write_text("\n\n".join(blocks))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(LIB), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-W", "error", str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, f"{path.name} failed:\n{done.stderr[-4000:]}"
