@@ -213,3 +213,14 @@ def test_single_device_refuses_a_multi_process_world():
         sg.single_device("cpu").setup(
             sg.Env(rank=0, world_size=2, local_world_size=2, source="torchrun")
         )
+
+
+def test_context_extras_are_read_only_and_never_overwritten(ctx):
+    scaler = object()
+    richer = ctx.with_extras(grad_scaler=scaler)
+    assert richer.extras["grad_scaler"] is scaler
+    assert dict(ctx.extras) == {}  # the original is unchanged
+    with pytest.raises(TypeError):
+        richer.extras["grad_scaler"] = None  # type: ignore[index]
+    with pytest.raises(sg.UsageError, match=r"already holds \['grad_scaler'\].*applied twice"):
+        richer.with_extras(grad_scaler=object())

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from typing import Literal
+from types import MappingProxyType
+from typing import Any, Literal
 
 import attrs
 import torch
 import torch.distributed as dist
 
-from stratagem.errors import EnvError, describe
+from stratagem.errors import EnvError, UsageError, describe
 
 __all__ = ["Context", "Env", "EnvSource", "detect_env"]
 
@@ -91,17 +92,41 @@ class Env:
         return self.source != "single"
 
 
+def _read_only(extras: Mapping[str, Any]) -> Mapping[str, Any]:
+    return MappingProxyType(dict(extras))
+
+
 @attrs.frozen(kw_only=True)
 class Context:
     """A joined world: the `Env`, this process's device and its process group.
 
     `setup` returns it; every other field of a strategy receives it. It is
-    frozen: per-run state that changes lives in values the functions return.
+    frozen; per-run objects that combinators need (a ``GradScaler``, a device
+    mesh) live in ``extras``, a read-only mapping added to with `with_extras`.
     """
 
     env: Env
     device: torch.device
     group: dist.ProcessGroup | None = None
+    extras: Mapping[str, Any] = attrs.field(factory=dict, converter=_read_only)
+
+    def with_extras(self, **extras: Any) -> Context:
+        """Return a copy with more per-run state (a grad scaler, a mesh, ...), keyed by name.
+
+        Combinators that need state for a run add it in their ``setup`` and read it
+        back from ``ctx.extras`` in the other fields, so the record itself stays
+        stateless.
+
+        Raises:
+            UsageError: a key is already present (two combinators would share state).
+        """
+        clash = sorted(set(extras) & set(self.extras))
+        if clash:
+            raise UsageError(
+                f"Context.extras already holds {clash}; the same state was added twice "
+                "(is a combinator applied twice?)."
+            )
+        return attrs.evolve(self, extras={**self.extras, **extras})
 
     @property
     def rank(self) -> int:
