@@ -1,0 +1,158 @@
+"""Process plumbing shared by the spawn launcher and the testing kit's `World`.
+
+Messages between parent and ranks are tuples pickled with plain ``pickle``
+over one-way pipes; the rendezvous store is served by the parent on a socket
+bound to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import socket
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import torch
+from torch.distributed import TCPStore  # type: ignore[attr-defined]  # exported at run time
+
+from stratagem.env import Env
+from stratagem.errors import LaunchError, RankError, describe
+from stratagem.strategy import StrategyLike
+
+__all__ = [
+    "death_error",
+    "local_env",
+    "pack",
+    "prepare_rank",
+    "receive",
+    "remote_error",
+    "rendezvous",
+    "send",
+    "send_error",
+    "stop",
+]
+
+
+def local_env(rank: int, world_size: int, port: int) -> Env:
+    """Describe rank ``rank`` of a world spawned on this host, its store served by the parent."""
+    return Env(
+        rank=rank,
+        local_rank=rank,
+        world_size=world_size,
+        local_world_size=world_size,
+        master_addr="127.0.0.1",
+        master_port=port,
+        source="spawn",
+        agent_store=True,
+    )
+
+
+def prepare_rank(env: Env) -> None:
+    """Settle a spawned rank's process before it joins: loopback sockets, a fair share of cores."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # spawned ranks share this host
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+
+
+def pack(fn: Callable[..., Any], strategy: StrategyLike, args: Sequence[Any]) -> bytes:
+    """Pickle what every rank needs, failing before any process starts."""
+    for what, value in (("fn", fn), ("strategy", strategy), ("args", tuple(args))):
+        try:
+            pickle.dumps(value)
+        except Exception as error:
+            raise LaunchError(
+                f"launch: {what} {describe(value)} cannot be sent to spawned processes "
+                f"({type(error).__name__}: {error}). Define functions at module level (not "
+                "lambdas or closures) and pass picklable arguments, or start the ranks "
+                "with torchrun and a strategy that runs in place."
+            ) from None
+    return pickle.dumps((fn, strategy, tuple(args)))
+
+
+@contextlib.contextmanager
+def rendezvous(timeout: float) -> Iterator[int]:
+    """Serve a TCPStore from this process on a socket bound to 127.0.0.1; yield its port."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(128)
+        port: int = listener.getsockname()[1]
+    except BaseException:
+        listener.close()
+        raise
+    # The store takes the listening socket over (and closes it when it is freed).
+    store = TCPStore(
+        "127.0.0.1",
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout),
+        master_listen_fd=listener.detach(),
+    )
+    try:
+        yield port
+    finally:
+        del store
+
+
+def remote_error(rank: int, body: list[Any]) -> RankError:
+    exc_type, message, remote = body
+    return RankError(rank, exc_type=exc_type, message=message, remote_traceback=remote)
+
+
+def send(pipe: Connection, message: tuple[Any, ...]) -> None:
+    # Plain pickle, not multiprocessing's: torch's reducers would share tensor storage
+    # through file descriptors that die with this process before the parent reads them.
+    pipe.send_bytes(pickle.dumps(message))
+
+
+def receive(pipe: Connection) -> tuple[Any, ...]:
+    message: tuple[Any, ...] = pickle.loads(pipe.recv_bytes())
+    return message
+
+
+def send_error(pipe: Connection, error: BaseException) -> None:
+    kind = type(error)
+    name = (
+        kind.__qualname__
+        if kind.__module__ == "builtins"
+        else f"{kind.__module__}.{kind.__qualname__}"
+    )
+    with contextlib.suppress(Exception):  # a broken pipe: the parent is gone, nobody to tell
+        send(pipe, ("error", name, str(error), traceback.format_exc()))
+
+
+def death_error(rank: int, process: BaseProcess, grace: float) -> RankError:
+    """Describe a rank whose process ended without reporting (killed, crashed)."""
+    process.join(grace)
+    code = process.exitcode
+    if code is not None and code < 0:
+        how = f"was killed by signal {-code}"
+    else:
+        how = f"exited with code {code} without reporting a result"
+    return RankError(rank, exc_type=None, message=f"process {process.pid} {how}", exitcode=code)
+
+
+def stop(processes: Sequence[BaseProcess], grace: float) -> None:
+    """Let exiting processes finish, terminate the rest, then kill what ignores SIGTERM."""
+    deadline = time.monotonic() + grace
+    for process in processes:
+        if process.is_alive():
+            process.join(0.05)
+    alive = [p for p in processes if p.is_alive()]
+    for process in alive:
+        process.terminate()
+    for process in alive:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join()
+        process.close()
