@@ -1,0 +1,38 @@
+"""Laws every strategy must obey, as plain functions to call from your own tests.
+
+Each raises `LawViolation` (an ``AssertionError``) naming the law, the
+strategy, the input and the difference found. Laws that need several ranks
+take a `World` (``world=``) or start one for the call.
+"""
+
+from stratagem.testing.laws._core import LawViolation as LawViolation
+from stratagem.testing.laws.checkpoint import (
+    check_checkpoint_round_trip as check_checkpoint_round_trip,
+)
+from stratagem.testing.laws.collectives import check_broadcast as check_broadcast
+from stratagem.testing.laws.collectives import check_gather as check_gather
+from stratagem.testing.laws.collectives import check_reduce as check_reduce
+from stratagem.testing.laws.collectives import check_reduce_idempotent as check_reduce_idempotent
+from stratagem.testing.laws.collectives import (
+    check_single_rank_identities as check_single_rank_identities,
+)
+from stratagem.testing.laws.training import check_accumulation as check_accumulation
+from stratagem.testing.laws.training import check_data_parallel_step as check_data_parallel_step
+from stratagem.testing.laws.training import check_no_sync as check_no_sync
+from stratagem.testing.laws.training import check_purity as check_purity
+from stratagem.testing.laws.training import check_wrap as check_wrap
+
+__all__ = [
+    "LawViolation",
+    "check_accumulation",
+    "check_broadcast",
+    "check_checkpoint_round_trip",
+    "check_data_parallel_step",
+    "check_gather",
+    "check_no_sync",
+    "check_purity",
+    "check_reduce",
+    "check_reduce_idempotent",
+    "check_single_rank_identities",
+    "check_wrap",
+]

@@ -1,0 +1,143 @@
+"""What every law shares: the violation error, running on a world, comparing tensors."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from stratagem.checkpoint import unwrap
+from stratagem.env import Context, Env
+from stratagem.strategy import StrategyLike
+from stratagem.testing.world import World
+
+__all__ = [
+    "LawViolation",
+    "full_parameters",
+    "max_difference",
+    "run_on",
+    "summarize",
+]
+
+
+class LawViolation(AssertionError):
+    """A strategy broke a law.
+
+    Attributes:
+        law: the law's name, e.g. ``"reduce-arithmetic"``.
+        strategy: the strategy's name.
+        inputs: a short description of the input that broke it.
+        difference: what was found, against what the law promises.
+    """
+
+    def __init__(self, law: str, strategy: StrategyLike, inputs: str, difference: str) -> None:
+        self.law = law
+        self.strategy = getattr(strategy, "name", type(strategy).__name__)
+        self.inputs = inputs
+        self.difference = difference
+        super().__init__(
+            f"law {law!r} broken by strategy {self.strategy!r}\n"
+            f"  input: {inputs}\n"
+            f"  found: {difference}"
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild, (self.law, self.strategy, self.inputs, self.difference))
+
+
+def _rebuild(law: str, strategy: str, inputs: str, difference: str) -> LawViolation:
+    error = LawViolation.__new__(LawViolation)
+    error.law, error.strategy, error.inputs, error.difference = law, strategy, inputs, difference
+    AssertionError.__init__(
+        error,
+        f"law {law!r} broken by strategy {strategy!r}\n  input: {inputs}\n  found: {difference}",
+    )
+    return error
+
+
+def summarize(value: Any) -> str:
+    """Describe an input briefly: tensors by shape and dtype, modules by class and size."""
+    if isinstance(value, torch.Tensor):
+        shown = f"tensor(shape={tuple(value.shape)}, dtype={value.dtype}"
+        if value.numel() <= 6:
+            shown += f", values={value.tolist()}"
+        return shown + ")"
+    if isinstance(value, torch.nn.Module):
+        count = sum(p.numel() for p in value.parameters())
+        return f"{type(value).__name__}({count} parameters)"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(summarize(v) for v in value) + "]"
+    return repr(value)
+
+
+def max_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest absolute elementwise difference (infinite when shapes differ)."""
+    if a.shape != b.shape:
+        return float("inf")
+    if a.numel() == 0:
+        return 0.0
+    return float((a.detach().double() - b.detach().double()).abs().max())
+
+
+def full_parameters(module: torch.nn.Module) -> list[torch.Tensor]:
+    """Every parameter of the plain module, gathered whole when sharded (FSDP's DTensors)."""
+    out = []
+    for parameter in unwrap(module).parameters():
+        data = parameter.detach()
+        gather = getattr(data, "full_tensor", None)
+        out.append((gather() if callable(gather) else data).cpu().clone())
+    return out
+
+
+def run_on(
+    world: World | None,
+    world_size: int,
+    fn: Callable[..., Any],
+    strategy: StrategyLike,
+    *args: Any,
+) -> list[Any]:
+    """Run ``fn`` on ``world``, or on a `World` of ``world_size`` started for this call."""
+    if world is not None:
+        return world.run(fn, strategy, *args)
+    with World(world_size) as fresh:
+        return fresh.run(fn, strategy, *args)
+
+
+def plain_context() -> Context:
+    """Return a CPU world of one, for reference computations in the calling process."""
+    return Context(env=Env(), device=torch.device("cpu"))
+
+
+def fresh_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """Return an independent copy, so a law never trains the caller's module."""
+    return copy.deepcopy(module)
+
+
+def squares_mean(module: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """Compute the laws' loss: the mean of squared outputs (a mean over samples)."""
+    loss: torch.Tensor = module(batch).float().pow(2).mean()
+    return loss
+
+
+def first_mismatch(
+    ours: Sequence[torch.Tensor], theirs: Sequence[torch.Tensor], tolerance: float
+) -> tuple[int, float] | None:
+    """Index and size of the first pair further apart than ``tolerance``, or None."""
+    if len(ours) != len(theirs):
+        return -1, float("inf")
+    for index, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        difference = max_difference(a, b)
+        if not difference <= tolerance:
+            return index, difference
+    return None
+
+
+def shares(batch: torch.Tensor, world_size: int) -> list[torch.Tensor]:
+    """Split a batch into ``world_size`` equal contiguous parts along the first dimension."""
+    return list(batch.chunk(world_size))
+
+
+def named(values: Iterable[str]) -> str:
+    return ", ".join(values)

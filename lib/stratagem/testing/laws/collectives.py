@@ -1,0 +1,234 @@
+"""Laws of the collective fields: reduce, gather, broadcast, barrier."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from stratagem.errors import UsageError
+from stratagem.fields import ReduceOp
+from stratagem.strategy import StrategyLike
+from stratagem.testing.laws._core import LawViolation, max_difference, run_on, summarize
+from stratagem.testing.world import World
+
+__all__ = [
+    "check_broadcast",
+    "check_gather",
+    "check_reduce",
+    "check_reduce_idempotent",
+    "check_single_rank_identities",
+]
+
+
+def _world_size(values: Sequence[torch.Tensor], world: World | None) -> int:
+    if world is not None and world.world_size != len(values):
+        raise UsageError(
+            f"law input has {len(values)} per-rank values but the World has {world.world_size} "
+            "ranks; pass one value per rank."
+        )
+    return len(values)
+
+
+def _tolerance(dtype: torch.dtype, expected: torch.Tensor, world_size: int) -> float:
+    if not dtype.is_floating_point or expected.numel() == 0:
+        return 0.0
+    # The backend sums in the tensor's own dtype: allow a rounding per added rank.
+    return float(torch.finfo(dtype).eps) * float(expected.abs().max()) * world_size
+
+
+def _expected(values: Sequence[torch.Tensor], op: str) -> torch.Tensor:
+    stacked = torch.stack([v.double() for v in values])
+    if op == "sum":
+        return stacked.sum(0)
+    if op == "mean":
+        return stacked.mean(0)
+    return stacked.amax(0) if op == "max" else stacked.amin(0)
+
+
+def _reduce_rank(
+    strategy: StrategyLike, ctx: Any, values: Sequence[torch.Tensor], op: ReduceOp
+) -> Any:
+    mine = values[ctx.rank]
+    before = mine.clone()
+    result = strategy.reduce(mine, op, ctx)
+    return result, torch.equal(mine, before)
+
+
+def check_reduce(
+    strategy: StrategyLike,
+    values: Sequence[torch.Tensor],
+    op: ReduceOp,
+    *,
+    world: World | None = None,
+) -> None:
+    """Law ``reduce-arithmetic``: rank ``r`` reducing ``values[r]`` gets ``op`` over all values.
+
+    Also: the result keeps the input's dtype and shape, and the input is not modified.
+
+    Args:
+        strategy: the strategy under test.
+        values: one tensor per rank, all of one shape and dtype.
+        op: the reduction.
+        world: a `World` with ``len(values)`` ranks (one is started when omitted).
+
+    Raises:
+        LawViolation: a rank's result differs from the arithmetic.
+    """
+    world_size = _world_size(values, world)
+    results = run_on(world, world_size, _reduce_rank, strategy, list(values), op)
+    expected = _expected(values, op)
+    inputs = f"op={op!r}, values={summarize(list(values))}"
+    for rank, (result, unchanged) in enumerate(results):
+        if not unchanged:
+            raise LawViolation(
+                "reduce-leaves-input", strategy, inputs, f"rank {rank}'s input was modified"
+            )
+        dtype = values[rank].dtype
+        if result.dtype != dtype or result.shape != values[rank].shape:
+            raise LawViolation(
+                "reduce-arithmetic",
+                strategy,
+                inputs,
+                f"rank {rank} returned {summarize(result)}, expected dtype {dtype} and shape "
+                f"{tuple(values[rank].shape)}",
+            )
+        target = expected.to(dtype) if not dtype.is_floating_point else expected
+        difference = max_difference(result, target)
+        if not difference <= _tolerance(dtype, expected, world_size):
+            raise LawViolation(
+                "reduce-arithmetic",
+                strategy,
+                inputs,
+                f"rank {rank} returned {summarize(result)}, but {op} over the ranks is "
+                f"{summarize(target.to(dtype))} (max difference {difference:g})",
+            )
+
+
+def _twice_rank(
+    strategy: StrategyLike, ctx: Any, values: Sequence[torch.Tensor], op: ReduceOp
+) -> Any:
+    once = strategy.reduce(values[ctx.rank], op, ctx)
+    return once, strategy.reduce(once, op, ctx)
+
+
+def check_reduce_idempotent(
+    strategy: StrategyLike,
+    values: Sequence[torch.Tensor],
+    op: ReduceOp,
+    *,
+    world: World | None = None,
+) -> None:
+    """Law ``reduce-idempotent``: reducing a reduced value again (mean, max, min) changes nothing.
+
+    Raises:
+        UsageError: ``op`` is ``"sum"`` (summing twice multiplies by the world size).
+        LawViolation: the second reduction changed the value.
+    """
+    if op == "sum":
+        raise UsageError("check_reduce_idempotent: 'sum' is not idempotent; use mean, max or min.")
+    world_size = _world_size(values, world)
+    for rank, (once, twice) in enumerate(
+        run_on(world, world_size, _twice_rank, strategy, list(values), op)
+    ):
+        difference = max_difference(once, twice)
+        if not difference <= _tolerance(once.dtype, once.double(), world_size):
+            raise LawViolation(
+                "reduce-idempotent",
+                strategy,
+                f"op={op!r}, values={summarize(list(values))}",
+                f"rank {rank}: reducing {summarize(once)} again gave {summarize(twice)}",
+            )
+
+
+def _gather_rank(strategy: StrategyLike, ctx: Any, values: Sequence[torch.Tensor]) -> torch.Tensor:
+    return strategy.gather(values[ctx.rank], ctx)
+
+
+def check_gather(
+    strategy: StrategyLike, values: Sequence[torch.Tensor], *, world: World | None = None
+) -> None:
+    """Law ``gather-order``: every rank gets ``stack(values)``: rank order, a new first dimension.
+
+    Raises:
+        LawViolation: a rank's result has the wrong shape, order or values.
+    """
+    world_size = _world_size(values, world)
+    expected = torch.stack(list(values))
+    for rank, result in enumerate(run_on(world, world_size, _gather_rank, strategy, list(values))):
+        if result.shape != expected.shape or not torch.equal(result, expected):
+            raise LawViolation(
+                "gather-order",
+                strategy,
+                f"values={summarize(list(values))}",
+                f"rank {rank} got {summarize(result)}, expected {summarize(expected)} "
+                "(row r must be rank r's tensor)",
+            )
+
+
+def _broadcast_rank(strategy: StrategyLike, ctx: Any, values: Sequence[torch.Tensor]) -> list[Any]:
+    out = []
+    for src in range(ctx.world_size):
+        tensor = strategy.broadcast(values[ctx.rank], ctx, src=src)
+        obj = strategy.broadcast({"from": ctx.rank, "sizes": [ctx.rank] * 2}, ctx, src=src)
+        out.append((tensor, obj))
+    strategy.barrier(ctx)
+    return out
+
+
+def check_broadcast(
+    strategy: StrategyLike, values: Sequence[torch.Tensor], *, world: World | None = None
+) -> None:
+    """Law ``broadcast-from-every-source``: every rank gets ``src``'s tensor and object.
+
+    Raises:
+        LawViolation: a rank received something other than what ``src`` sent.
+    """
+    world_size = _world_size(values, world)
+    for rank, per_source in enumerate(
+        run_on(world, world_size, _broadcast_rank, strategy, list(values))
+    ):
+        for src, (tensor, obj) in enumerate(per_source):
+            if not torch.equal(tensor, values[src]) or obj != {"from": src, "sizes": [src] * 2}:
+                raise LawViolation(
+                    "broadcast-from-every-source",
+                    strategy,
+                    f"src={src}, values={summarize(list(values))}",
+                    f"rank {rank} received {summarize(tensor)} and {obj!r}",
+                )
+
+
+def _identities_rank(
+    strategy: StrategyLike, ctx: Any, value: torch.Tensor
+) -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = [
+        (f"reduce {op}", strategy.reduce(value, op, ctx))
+        for op in ("sum", "max", "min") + (("mean",) if value.is_floating_point() else ())
+    ]
+    out.append(("gather", strategy.gather(value, ctx)[0]))
+    out.append(("broadcast", strategy.broadcast(value, ctx, src=0)))
+    strategy.barrier(ctx)
+    return out
+
+
+def check_single_rank_identities(
+    strategy: StrategyLike, value: torch.Tensor, *, world: World | None = None
+) -> None:
+    """Law ``single-rank-identities``: on a world of one, every collective returns its input.
+
+    Raises:
+        UsageError: ``world`` has more than one rank.
+        LawViolation: a collective changed the value.
+    """
+    if world is not None and world.world_size != 1:
+        raise UsageError("check_single_rank_identities needs a World of one rank.")
+    [results] = run_on(world, 1, _identities_rank, strategy, value)
+    for what, result in results:
+        if result.dtype != value.dtype or not torch.equal(result, value):
+            raise LawViolation(
+                "single-rank-identities",
+                strategy,
+                f"value={summarize(value)}",
+                f"{what} on one rank returned {summarize(result)}",
+            )

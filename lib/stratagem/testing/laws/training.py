@@ -1,0 +1,334 @@
+"""Laws of the training fields: wrap, step, backward, update, no_sync, and the record's purity.
+
+The reference for every equivalence is a plain PyTorch loop in the calling
+process, never a stratagem strategy, so a law cannot be fooled by a bug that
+two strategies share.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from stratagem.checkpoint import unwrap
+from stratagem.strategy import StrategyLike
+from stratagem.testing.laws._core import (
+    LawViolation,
+    first_mismatch,
+    fresh_copy,
+    full_parameters,
+    max_difference,
+    run_on,
+    shares,
+    squares_mean,
+    summarize,
+)
+from stratagem.testing.world import World
+
+__all__ = [
+    "check_accumulation",
+    "check_data_parallel_step",
+    "check_no_sync",
+    "check_purity",
+    "check_wrap",
+]
+
+Forward = Callable[[torch.nn.Module, Any], torch.Tensor]
+
+
+def reference_steps(
+    module: torch.nn.Module, batch: torch.Tensor, *, steps: int, lr: float, forward: Forward
+) -> list[torch.Tensor]:
+    """Plain PyTorch: ``steps`` SGD steps on the whole batch."""
+    model = fresh_copy(module)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for _ in range(steps):
+        torch.autograd.backward(forward(model, batch))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _train_rank(
+    strategy: StrategyLike,
+    ctx: Any,
+    module: torch.nn.Module,
+    batch: torch.Tensor,
+    steps: int,
+    lr: float,
+    forward: Forward,
+    micro_batches: int,
+) -> list[torch.Tensor]:
+    model = strategy.wrap(fresh_copy(module), ctx)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    mine = shares(batch, ctx.world_size)[ctx.rank]
+    pieces = mine.chunk(micro_batches)
+    for _ in range(steps):
+        for index, piece in enumerate(pieces):
+            last = index == len(pieces) - 1  # only the last micro-batch synchronises
+            with contextlib.nullcontext() if last else strategy.no_sync(model, ctx):
+                loss = strategy.step(model, piece, ctx, forward=forward)
+                strategy.backward(loss / len(pieces), model, ctx)
+        strategy.update(optimizer, model, ctx)
+    return full_parameters(model)
+
+
+def _compare_to_reference(
+    law: str,
+    strategy: StrategyLike,
+    inputs: str,
+    results: list[list[torch.Tensor]],
+    reference: list[torch.Tensor],
+    tolerance: float,
+    hint: str,
+) -> None:
+    for rank, parameters in enumerate(results):
+        mismatch = first_mismatch(parameters, reference, tolerance)
+        if mismatch is not None:
+            index, difference = mismatch
+            raise LawViolation(
+                law,
+                strategy,
+                inputs,
+                f"rank {rank}: parameter {index} differs by {difference:g} (tolerance "
+                f"{tolerance:g}) from plain PyTorch on the whole batch; {hint}",
+            )
+
+
+def check_data_parallel_step(
+    strategy: StrategyLike,
+    module: torch.nn.Module,
+    batch: torch.Tensor,
+    *,
+    world: World | None = None,
+    world_size: int = 2,
+    steps: int = 1,
+    lr: float = 0.1,
+    tolerance: float = 1e-6,
+    forward: Forward = squares_mean,
+) -> None:
+    """Law ``data-parallel-step``: N ranks on shares of a batch equal one process on all of it.
+
+    Every rank takes its contiguous share of ``batch`` (its length must divide
+    evenly), runs ``steps`` SGD steps through ``wrap``/``step``/``backward``/
+    ``update``, and must end with the parameters of plain PyTorch trained on the
+    whole batch. ``forward`` must return a mean over samples (the default: mean
+    of squared outputs). It must be importable, as must ``module``'s class.
+
+    Raises:
+        LawViolation: a rank's parameters differ beyond ``tolerance``.
+    """
+    size = world.world_size if world is not None else world_size
+    results = run_on(world, size, _train_rank, strategy, module, batch, steps, lr, forward, 1)
+    reference = reference_steps(module, batch, steps=steps, lr=lr, forward=forward)
+    _compare_to_reference(
+        "data-parallel-step",
+        strategy,
+        f"module={summarize(module)}, batch={summarize(batch)}, steps={steps}, lr={lr}",
+        results,
+        reference,
+        tolerance,
+        "a wrap or update that skips gradient synchronisation, or a reduce that sums "
+        "instead of averaging gradients, gives this",
+    )
+
+
+def check_accumulation(
+    strategy: StrategyLike,
+    module: torch.nn.Module,
+    batch: torch.Tensor,
+    *,
+    micro_batches: int = 2,
+    world: World | None = None,
+    world_size: int = 2,
+    lr: float = 0.1,
+    tolerance: float = 1e-6,
+    forward: Forward = squares_mean,
+) -> None:
+    """Law ``accumulation``: k micro-batches under ``no_sync``, one update, equal one big batch.
+
+    Each rank splits its share into ``micro_batches`` pieces, backpropagates
+    ``loss / k`` for each (inside ``no_sync`` except the last) and updates once.
+
+    Raises:
+        LawViolation: a rank's parameters differ beyond ``tolerance``.
+    """
+    size = world.world_size if world is not None else world_size
+    results = run_on(
+        world, size, _train_rank, strategy, module, batch, 1, lr, forward, micro_batches
+    )
+    reference = reference_steps(module, batch, steps=1, lr=lr, forward=forward)
+    _compare_to_reference(
+        "accumulation",
+        strategy,
+        f"module={summarize(module)}, batch={summarize(batch)}, micro_batches={micro_batches}",
+        results,
+        reference,
+        tolerance,
+        "no_sync that drops the accumulated gradients, or a last micro-batch that does not "
+        "synchronise, gives this",
+    )
+
+
+def _local_gradients(model: torch.nn.Module) -> list[torch.Tensor]:
+    grads = []
+    for parameter in unwrap(model).parameters():
+        grad = parameter.grad
+        if grad is None:
+            continue
+        local = getattr(grad, "to_local", None)  # sharded gradients: this rank's piece
+        grads.append((local() if callable(local) else grad).detach().clone())
+    return grads
+
+
+def _no_sync_rank(
+    strategy: StrategyLike, ctx: Any, module: torch.nn.Module, batch: torch.Tensor, forward: Forward
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    model = strategy.wrap(fresh_copy(module), ctx)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mine = shares(batch, ctx.world_size)[ctx.rank]
+    with strategy.no_sync(model, ctx):
+        strategy.backward(strategy.step(model, mine, ctx, forward=forward), model, ctx)
+        inside = _local_gradients(model)
+    strategy.backward(strategy.step(model, mine, ctx, forward=forward), model, ctx)
+    strategy.update(optimizer, model, ctx)
+    return inside, full_parameters(model)
+
+
+def check_no_sync(
+    strategy: StrategyLike,
+    module: torch.nn.Module,
+    batch: torch.Tensor,
+    *,
+    world: World | None = None,
+    world_size: int = 2,
+    forward: Forward = squares_mean,
+) -> None:
+    """Law ``no-sync``: inside ``no_sync`` gradients stay local; after the next update ranks agree.
+
+    The ranks' shares of ``batch`` must differ, so that local gradients differ.
+
+    Raises:
+        LawViolation: gradients were already equal across ranks inside ``no_sync``
+            (it synchronised), or parameters differ across ranks after the update.
+    """
+    size = world.world_size if world is not None else world_size
+    results = run_on(world, size, _no_sync_rank, strategy, module, batch, forward)
+    inputs = f"module={summarize(module)}, batch={summarize(batch)}"
+    inside = [grads for grads, _ in results]
+    if size > 1 and all(first_mismatch(inside[0], other, 0.0) is None for other in inside[1:]):
+        raise LawViolation(
+            "no-sync",
+            strategy,
+            inputs,
+            "gradients were identical on every rank inside no_sync: they were synchronised",
+        )
+    after = [parameters for _, parameters in results]
+    for rank in range(1, size):
+        mismatch = first_mismatch(after[rank], after[0], 0.0)
+        if mismatch is not None:
+            raise LawViolation(
+                "no-sync",
+                strategy,
+                inputs,
+                f"after the synchronising step and update, rank {rank}'s parameter {mismatch[0]} "
+                f"differs from rank 0's by {mismatch[1]:g}",
+            )
+
+
+def _purity_rank(
+    strategy: StrategyLike, ctx: Any, module: torch.nn.Module, batch: torch.Tensor, forward: Forward
+) -> tuple[bytes, bytes, list[torch.Tensor], list[torch.Tensor]]:
+    before = pickle.dumps(strategy)
+    first = _train_rank(strategy, ctx, module, batch, 1, 0.1, forward, 1)
+    second = _train_rank(strategy, ctx, module, batch, 1, 0.1, forward, 1)
+    return before, pickle.dumps(strategy), first, second
+
+
+def check_purity(
+    strategy: StrategyLike,
+    module: torch.nn.Module,
+    batch: torch.Tensor,
+    *,
+    world: World | None = None,
+    world_size: int = 2,
+    forward: Forward = squares_mean,
+) -> None:
+    """Law ``purity``: use does not change a strategy; the same inputs give the same outputs.
+
+    Raises:
+        LawViolation: the record pickles differently after use (a field holds state
+            that training changed), or two identical runs ended with different parameters.
+    """
+    size = world.world_size if world is not None else world_size
+    inputs = f"module={summarize(module)}, batch={summarize(batch)}"
+    results = run_on(world, size, _purity_rank, strategy, module, batch, forward)
+    for rank, (before, after, first, second) in enumerate(results):
+        if before != after:
+            raise LawViolation(
+                "purity", strategy, inputs, f"rank {rank}: the record changed while it was used"
+            )
+        mismatch = first_mismatch(first, second, 0.0)
+        if mismatch is not None:
+            raise LawViolation(
+                "purity",
+                strategy,
+                inputs,
+                f"rank {rank}: two identical runs differ in parameter {mismatch[0]} by "
+                f"{mismatch[1]:g}",
+            )
+
+
+def _wrap_rank(
+    strategy: StrategyLike, ctx: Any, module: torch.nn.Module, batch: torch.Tensor
+) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+    plain = fresh_copy(module)
+    wrapped = strategy.wrap(fresh_copy(module), ctx)
+    with torch.no_grad():
+        ours = strategy.step(wrapped, batch, ctx)
+        theirs = plain(batch)
+    keys = list(unwrap(wrapped).state_dict().keys())
+    return keys, torch.as_tensor(ours).float().cpu(), theirs.float()
+
+
+def check_wrap(
+    strategy: StrategyLike,
+    module: torch.nn.Module,
+    batch: torch.Tensor,
+    *,
+    world: World | None = None,
+    world_size: int = 2,
+    tolerance: float = 1e-6,
+) -> None:
+    """Law ``wrap-preserves``: the wrapped module computes what the plain one does, same keys.
+
+    Raises:
+        LawViolation: outputs differ beyond ``tolerance`` or state-dict keys changed.
+    """
+    size = world.world_size if world is not None else world_size
+    inputs = f"module={summarize(module)}, batch={summarize(batch)}"
+    expected_keys = list(module.state_dict().keys())
+    for rank, (keys, ours, theirs) in enumerate(
+        run_on(world, size, _wrap_rank, strategy, module, batch)
+    ):
+        if keys != expected_keys:
+            raise LawViolation(
+                "wrap-preserves",
+                strategy,
+                inputs,
+                f"rank {rank}: state-dict keys {keys} differ from the plain module's "
+                f"{expected_keys}",
+            )
+        difference = max_difference(ours, theirs)
+        if not difference <= tolerance:
+            raise LawViolation(
+                "wrap-preserves",
+                strategy,
+                inputs,
+                f"rank {rank}: step through the wrapped module differs from the plain module "
+                f"by {difference:g}",
+            )
