@@ -8,6 +8,8 @@ from contextlib import contextmanager
 
 import torch
 
+from stratagem.combinators._base import applied
+from stratagem.combinators.precision import PrecisionSetup
 from stratagem.fields import REDUCE_OPS, ReduceOp
 from stratagem.strategy import StrategyLike
 from stratagem.testing import laws
@@ -52,7 +54,8 @@ def check_all(
 
     Collectives (arithmetic for each op, idempotence, gather order, broadcast
     from every source), wrap, the data-parallel step, accumulation,
-    ``no_sync`` (on more than one rank), purity, and the checkpoint round trip
+    ``no_sync`` (on more than one rank), purity, autocast in ``step`` when the
+    strategy has a mixed precision, and the checkpoint round trip
     (portable to ``portable_to`` when given). On one rank, the collectives must
     be identities.
 
@@ -94,6 +97,10 @@ def check_all(
         if size > 1:
             laws.check_no_sync(strategy, model, data, world=running)
         laws.check_purity(strategy, model, data, world=running)
+        precision = applied(strategy, PrecisionSetup)
+        if precision is not None and precision.precision.endswith("-mixed"):
+            dtype = torch.bfloat16 if precision.precision.startswith("bf16") else torch.float16
+            laws.check_step_autocast(strategy, model, data, dtype, world=running)
         laws.check_checkpoint_round_trip(
             strategy, model, data, world=running, portable_to=portable_to, directory=directory
         )

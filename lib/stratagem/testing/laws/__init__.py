@@ -20,6 +20,7 @@ from stratagem.testing.laws.training import check_accumulation as check_accumula
 from stratagem.testing.laws.training import check_data_parallel_step as check_data_parallel_step
 from stratagem.testing.laws.training import check_no_sync as check_no_sync
 from stratagem.testing.laws.training import check_purity as check_purity
+from stratagem.testing.laws.training import check_step_autocast as check_step_autocast
 from stratagem.testing.laws.training import check_wrap as check_wrap
 
 __all__ = [
@@ -34,5 +35,6 @@ __all__ = [
     "check_reduce",
     "check_reduce_idempotent",
     "check_single_rank_identities",
+    "check_step_autocast",
     "check_wrap",
 ]

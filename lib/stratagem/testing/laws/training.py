@@ -34,6 +34,7 @@ __all__ = [
     "check_data_parallel_step",
     "check_no_sync",
     "check_purity",
+    "check_step_autocast",
     "check_wrap",
 ]
 
@@ -331,4 +332,51 @@ def check_wrap(
                 inputs,
                 f"rank {rank}: step through the wrapped module differs from the plain module "
                 f"by {difference:g}",
+            )
+
+
+def _autocast_rank(
+    strategy: StrategyLike, ctx: Any, module: torch.nn.Module, batch: torch.Tensor
+) -> tuple[bool, str, str]:
+    model = strategy.wrap(fresh_copy(module), ctx)
+    seen: dict[str, Any] = {}
+
+    def forward(inner: torch.nn.Module, data: torch.Tensor) -> torch.Tensor:
+        device = data.device.type
+        seen["enabled"] = torch.is_autocast_enabled(device)
+        seen["dtype"] = str(torch.get_autocast_dtype(device))
+        output: torch.Tensor = inner(data)
+        return output
+
+    output = strategy.step(model, shares(batch, ctx.world_size)[ctx.rank], ctx, forward=forward)
+    return bool(seen["enabled"]), seen["dtype"], str(output.dtype)
+
+
+def check_step_autocast(
+    strategy: StrategyLike,
+    module: torch.nn.Module,
+    batch: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    world: World | None = None,
+    world_size: int = 2,
+) -> None:
+    """Law ``step-autocast``: a mixed-precision strategy runs the user's forward under autocast.
+
+    Raises:
+        LawViolation: the forward ran without autocast, with another dtype, or
+            produced outputs of another dtype.
+    """
+    size = world.world_size if world is not None else world_size
+    inputs = f"module={summarize(module)}, batch={summarize(batch)}, dtype={dtype}"
+    for rank, (enabled, seen, output) in enumerate(
+        run_on(world, size, _autocast_rank, strategy, module, batch)
+    ):
+        if not enabled or seen != str(dtype) or output != str(dtype):
+            raise LawViolation(
+                "step-autocast",
+                strategy,
+                inputs,
+                f"rank {rank}: forward ran with autocast {'on' if enabled else 'off'} ({seen}) "
+                f"and returned {output}; a step that skips the precision's autocast gives this",
             )

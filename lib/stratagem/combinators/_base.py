@@ -1,0 +1,86 @@
+"""What combinators share: finding an applied combinator, and the optimizer-step pipeline.
+
+A combinator that must act just before the optimizer steps (unscaling,
+clipping) does not replace ``update``: it passes the inner ``update`` an
+`OptimizerHook` whose ``step`` runs the combinator's code around the real
+step. The inner update (DDP's, or the Horovod-style one that all-reduces
+first) keeps its own order, and hooks run in the order combinators were applied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+
+from stratagem.errors import StratagemError
+from stratagem.strategy import FIELD_SIGNATURES, StrategyLike
+
+__all__ = ["CombinatorError", "OptimizerHook", "applied", "gradients", "root_optimizer"]
+
+
+class CombinatorError(StratagemError, ValueError):
+    """A combinator was applied twice, or in an order that cannot work."""
+
+
+def _layers(value: object) -> list[object]:
+    out = [value]
+    while hasattr(value, "inner"):
+        value = value.inner
+        out.append(value)
+    return out
+
+
+def applied(strategy: StrategyLike, kind: type[Any]) -> Any | None:
+    """Return the first field wrapper of type ``kind`` found in ``strategy``, or None."""
+    for name in FIELD_SIGNATURES:
+        for layer in _layers(getattr(strategy, name)):
+            if isinstance(layer, kind):
+                return layer
+    return None
+
+
+@attrs.define
+class OptimizerHook:
+    """An optimizer whose ``step`` goes through ``on_step(real_step)``; the rest is the optimizer's.
+
+    Attributes:
+        optimizer: the optimizer (or another hook) being wrapped.
+        on_step: called with the wrapped ``step``; decides whether and how to call it.
+    """
+
+    optimizer: Any
+    on_step: Callable[[Callable[[], Any]], Any]
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        if closure is not None:
+            raise CombinatorError("stratagem combinators do not support optimizer closures.")
+        return self.on_step(self.optimizer.step)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def __getattr__(self, name: str) -> Any:
+        # param_groups, state, state_dict, ...: the wrapped optimizer's own.
+        if name in ("optimizer", "on_step"):  # not yet set (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
+
+def root_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """Return the real optimizer under any number of `OptimizerHook` layers."""
+    while isinstance(optimizer, OptimizerHook):
+        optimizer = optimizer.optimizer
+    return optimizer  # type: ignore[no-any-return]
+
+
+def gradients(optimizer: Any) -> list[torch.Tensor]:
+    """Every gradient the optimizer will apply."""
+    return [
+        p.grad
+        for group in root_optimizer(optimizer).param_groups
+        for p in group["params"]
+        if p.grad is not None
+    ]

@@ -1,0 +1,134 @@
+"""``with_clipping``: clip gradients by norm or by value just before the optimizer steps."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+
+from stratagem.combinators._base import CombinatorError, OptimizerHook, applied, root_optimizer
+from stratagem.combinators.precision import PrecisionState
+from stratagem.env import Context, Env
+from stratagem.errors import UsageError, describe
+from stratagem.fields import SetupFn, UpdateFn
+from stratagem.strategy import Strategy
+
+__all__ = ["ClipState", "with_clipping"]
+
+
+@attrs.define
+class ClipState:
+    """Per-run clipping state in ``ctx.extras["clipping"]``.
+
+    Attributes:
+        last_norm: the total gradient norm before the last clip (by-norm clipping),
+            or None before the first step.
+    """
+
+    last_norm: float | None = None
+
+
+@attrs.frozen
+class ClipSetup:
+    """Setup: add the per-run `ClipState`."""
+
+    inner: SetupFn
+
+    def __call__(self, env: Env) -> Context:
+        return self.inner(env).with_extras(clipping=ClipState())
+
+
+def _parameters(optimizer: Any) -> list[torch.Tensor]:
+    return [p for group in root_optimizer(optimizer).param_groups for p in group["params"]]
+
+
+@attrs.frozen
+class ClipUpdate:
+    """Update: unscale (under ``"16-mixed"``), clip, then the inner update's own step."""
+
+    inner: UpdateFn
+    max_norm: float | None
+    max_value: float | None
+    norm_type: float
+
+    def __call__(
+        self, optimizer: torch.optim.Optimizer, module: torch.nn.Module, ctx: Context
+    ) -> None:
+        def on_step(step: Callable[[], Any]) -> Any:
+            precision = ctx.extras.get("precision")
+            if isinstance(precision, PrecisionState):
+                precision.unscale(optimizer)  # clip what the optimizer will see, not scaled values
+            parameters = _parameters(optimizer)
+            if self.max_norm is not None:
+                # DTensor-aware: on sharded (FSDP) gradients the norm is the global one.
+                norm = torch.nn.utils.clip_grad_norm_(
+                    parameters, self.max_norm, norm_type=self.norm_type
+                )
+                state = ctx.extras.get("clipping")
+                if isinstance(state, ClipState):
+                    full = getattr(norm, "full_tensor", None)
+                    state.last_norm = float(full() if callable(full) else norm)
+            if self.max_value is not None:
+                torch.nn.utils.clip_grad_value_(parameters, self.max_value)
+            return step()
+
+        self.inner(OptimizerHook(optimizer, on_step), module, ctx)  # type: ignore[arg-type]
+
+
+def _positive(name: str, value: object) -> float | None:
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not value > 0
+        or math.isinf(value)
+    ):
+        raise UsageError(
+            f"with_clipping: '{name}' must be a positive finite number (got {describe(value)})."
+        )
+    return float(value)
+
+
+def with_clipping(
+    strategy: Strategy,
+    *,
+    max_norm: float | None = None,
+    max_value: float | None = None,
+    norm_type: float = 2.0,
+) -> Strategy:
+    """Clip gradients before each optimizer step: to norm ``max_norm``, or each to ``max_value``.
+
+    Fields touched: ``setup`` (a `ClipState` in ``ctx.extras["clipping"]``,
+    whose ``last_norm`` is the norm before clipping) and ``update``: clipping
+    runs inside the optimizer step of the inner update, so gradients are
+    clipped after they are synchronised (DDP, all-reduce strategies) and
+    unscaled (``"16-mixed"``, in whichever order the combinators were applied).
+
+    Raises:
+        UsageError: neither bound is given, or a bound is not positive.
+        CombinatorError: the strategy is already clipped.
+    """
+    norm = _positive("max_norm", max_norm)
+    value = _positive("max_value", max_value)
+    if norm is None and value is None:
+        raise UsageError(
+            "with_clipping: give max_norm (clip by total norm) or max_value (by value)."
+        )
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
+        raise UsageError(
+            f"with_clipping: 'norm_type' must be positive (got {describe(norm_type)})."
+        )
+    if applied(strategy, ClipUpdate) is not None:
+        raise CombinatorError(
+            f"with_clipping: strategy {strategy.name!r} is already clipped; apply it once."
+        )
+    return attrs.evolve(
+        strategy,
+        name=f"{strategy.name}+clip",
+        setup=ClipSetup(strategy.setup),
+        update=ClipUpdate(strategy.update, norm, value, float(norm_type)),
+    )

@@ -1,0 +1,226 @@
+"""``with_precision``: module dtype, autocast in ``step``, loss scaling for ``"16-mixed"``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal, get_args
+
+import attrs
+import torch
+
+from stratagem.combinators._base import (
+    CombinatorError,
+    OptimizerHook,
+    applied,
+    gradients,
+    root_optimizer,
+)
+from stratagem.env import Context, Env
+from stratagem.errors import UsageError, describe
+from stratagem.fields import BackwardFn, ForwardFn, SetupFn, StepFn, UpdateFn, WrapFn
+from stratagem.strategy import Strategy
+from stratagem.training import move_to_device
+
+__all__ = ["Precision", "PrecisionState", "with_precision"]
+
+Precision = Literal["32-true", "64-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true"]
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+
+_DTYPES = {
+    "32-true": torch.float32,
+    "64-true": torch.float64,
+    "bf16-mixed": torch.bfloat16,
+    "bf16-true": torch.bfloat16,
+    "16-mixed": torch.float16,
+    "16-true": torch.float16,
+}
+
+
+def _dtype(precision: str) -> torch.dtype:
+    return _DTYPES[precision]
+
+
+def _mixed(precision: str) -> bool:
+    return precision.endswith("-mixed")
+
+
+@attrs.define
+class PrecisionState:
+    """Per-run precision state, kept in ``ctx.extras["precision"]``.
+
+    Attributes:
+        scaler: the ``GradScaler`` of ``"16-mixed"`` (None otherwise); save it
+            with your checkpoint (``{"scaler": ctx.extras["precision"].scaler}``).
+        unscaled: whether this step's gradients were already unscaled (by clipping).
+    """
+
+    scaler: torch.amp.GradScaler | None
+    unscaled: bool = False
+
+    def unscale(self, optimizer: Any) -> None:
+        """Unscale this step's gradients once, before anything reads them."""
+        if self.scaler is not None and not self.unscaled:
+            self.scaler.unscale_(root_optimizer(optimizer))
+            self.unscaled = True
+
+
+def _check_device(precision: str, device: torch.device) -> None:
+    if _mixed(precision) and not torch.amp.autocast_mode.is_autocast_available(device.type):
+        raise UsageError(
+            f"precision {precision!r} needs autocast, which is not available on device "
+            f"{str(device)!r}; use '32-true' or a '-true' precision there."
+        )
+    if device.type == "cuda" and "bf16" in precision and not torch.cuda.is_bf16_supported():
+        raise UsageError(
+            f"precision {precision!r} needs bfloat16, which device {str(device)!r} does not "
+            "support; use '16-mixed'."
+        )
+
+
+@attrs.frozen
+class PrecisionSetup:
+    """Setup: check the device can run the precision; create the per-run state."""
+
+    inner: SetupFn
+    precision: str
+
+    def __call__(self, env: Env) -> Context:
+        ctx = self.inner(env)
+        _check_device(self.precision, ctx.device)
+        scaler = torch.amp.GradScaler(ctx.device.type) if self.precision == "16-mixed" else None
+        return ctx.with_extras(precision=PrecisionState(scaler))
+
+
+@attrs.frozen
+class PrecisionWrap:
+    """Wrap: convert the module to the precision's dtype (``-true`` modes) before the inner wrap."""
+
+    inner: WrapFn
+    precision: str
+
+    def __call__(self, module: torch.nn.Module, ctx: Context) -> torch.nn.Module:
+        if not _mixed(self.precision) and isinstance(module, torch.nn.Module):
+            module = module.to(_dtype(self.precision))
+        return self.inner(module, ctx)
+
+
+def _cast_floats(batch: Any, dtype: torch.dtype) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(dtype) if batch.is_floating_point() else batch
+    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
+        return type(batch)(_cast_floats(v, dtype) for v in batch)
+    if isinstance(batch, dict):
+        return {k: _cast_floats(v, dtype) for k, v in batch.items()}
+    return batch
+
+
+@attrs.frozen
+class PrecisionStep:
+    """Step: the inner step under autocast (``-mixed``) or on a batch of the dtype (``-true``)."""
+
+    inner: StepFn
+    precision: str
+
+    def __call__(
+        self, module: torch.nn.Module, batch: Any, ctx: Context, *, forward: ForwardFn | None = None
+    ) -> Any:
+        dtype = _dtype(self.precision)
+        if _mixed(self.precision):
+            with torch.autocast(ctx.device.type, dtype=dtype):
+                return self.inner(module, batch, ctx, forward=forward)
+        if dtype != torch.float32:
+            batch = _cast_floats(move_to_device(batch, ctx.device), dtype)
+        return self.inner(module, batch, ctx, forward=forward)
+
+
+def _state(ctx: Context) -> PrecisionState:
+    state = ctx.extras.get("precision")
+    if not isinstance(state, PrecisionState):
+        raise UsageError(
+            "with_precision: ctx has no precision state; pass the Context that this strategy's "
+            "setup returned (launch does this)."
+        )
+    return state
+
+
+@attrs.frozen
+class ScaledBackward:
+    """Backward of ``"16-mixed"``: backpropagate the loss multiplied by the scaler's scale."""
+
+    inner: BackwardFn
+
+    def __call__(self, loss: torch.Tensor, module: torch.nn.Module, ctx: Context) -> None:
+        scaler = _state(ctx).scaler
+        self.inner(scaler.scale(loss) if scaler is not None else loss, module, ctx)
+
+
+@attrs.frozen
+class ScaledUpdate:
+    """Update of ``"16-mixed"``: unscale, skip the step on overflow, adjust the scale."""
+
+    inner: UpdateFn
+
+    def __call__(
+        self, optimizer: torch.optim.Optimizer, module: torch.nn.Module, ctx: Context
+    ) -> None:
+        state = _state(ctx)
+
+        def on_step(step: Callable[[], Any]) -> Any:
+            state.unscale(optimizer)
+            grads = gradients(optimizer)
+            finite = not grads or bool(torch.stack([g.isfinite().all() for g in grads]).all())
+            result = step() if finite else None  # an overflow skips the step, as GradScaler does
+            if state.scaler is not None:
+                state.scaler.update()
+            state.unscaled = False
+            return result
+
+        self.inner(OptimizerHook(optimizer, on_step), module, ctx)  # type: ignore[arg-type]
+
+
+def with_precision(strategy: Strategy, precision: Precision) -> Strategy:
+    """Train in a numeric precision: module dtype, autocast, loss scaling.
+
+    The precisions: ``"32-true"``, ``"64-true"``, ``"bf16-mixed"``,
+    ``"bf16-true"``, ``"16-mixed"``, ``"16-true"``.
+
+    Fields touched: ``setup`` (device check, per-run `PrecisionState` in
+    ``ctx.extras["precision"]``), ``wrap`` (module dtype for ``-true``),
+    ``step`` (autocast for ``-mixed``, batch dtype for ``-true``), and for
+    ``"16-mixed"`` ``backward`` (loss scaling) and ``update`` (unscale, skip
+    on overflow, scale update). Under FSDP, use the ``mp_policy`` of ``fsdp()``
+    for parameter and reduction dtypes; autocast here applies to the forward.
+
+    Raises:
+        UsageError: ``precision`` is unknown.
+        CombinatorError: the strategy already has a precision.
+
+    Example:
+        >>> import stratagem as sg
+        >>> strategy = sg.with_precision(sg.single_device("cpu"), "bf16-mixed")
+        >>> ctx = strategy.setup(sg.Env())
+        >>> model = strategy.wrap(torch.nn.Linear(2, 2), ctx)
+        >>> strategy.step(model, torch.ones(1, 2), ctx).dtype
+        torch.bfloat16
+    """
+    if precision not in PRECISIONS:
+        raise UsageError(
+            f"with_precision: 'precision' must be one of {', '.join(map(repr, PRECISIONS))} "
+            f"(got {describe(precision)})."
+        )
+    existing = applied(strategy, PrecisionSetup)
+    if existing is not None:
+        raise CombinatorError(
+            f"with_precision: strategy {strategy.name!r} already has precision "
+            f"{existing.precision!r}; apply with_precision once."
+        )
+    changes: dict[str, Any] = {
+        "name": f"{strategy.name}+{precision}",
+        "setup": PrecisionSetup(strategy.setup, precision),
+        "wrap": PrecisionWrap(strategy.wrap, precision),
+        "step": PrecisionStep(strategy.step, precision),
+    }
+    if precision == "16-mixed":
+        changes["backward"] = ScaledBackward(strategy.backward)
+        changes["update"] = ScaledUpdate(strategy.update)
+    return attrs.evolve(strategy, **changes)
