@@ -28,7 +28,10 @@ def test_python_blocks_run(path, tmp_path):
     # A real script, so that functions a page sends to spawned processes are importable.
     script = tmp_path / f"{path.stem}.py"
     script.write_text("\n\n".join(blocks))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(LIB), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(LIB), os.environ.get("PYTHONPATH", "")]),
+    }
     done = subprocess.run(
         [sys.executable, "-W", "error", str(script)],
         cwd=tmp_path,

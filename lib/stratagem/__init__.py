@@ -4,6 +4,10 @@ The public surface; everything here is re-exported from a private module.
 """
 
 from stratagem.checkpoint import unwrap as unwrap
+from stratagem.combinators import CombinatorError as CombinatorError
+from stratagem.combinators import accumulate as accumulate
+from stratagem.combinators import with_clipping as with_clipping
+from stratagem.combinators import with_precision as with_precision
 from stratagem.devices import DeviceSpec as DeviceSpec
 from stratagem.env import Context as Context
 from stratagem.env import Env as Env
@@ -21,6 +25,12 @@ from stratagem.sharding import ShardSampler as ShardSampler
 from stratagem.spawn import Spawn as Spawn
 from stratagem.strategies.ddp import ddp as ddp
 from stratagem.strategies.ddp import ddp_spawn as ddp_spawn
+from stratagem.strategies.dp import dp as dp
+from stratagem.strategies.fsdp import above_parameters as above_parameters
+from stratagem.strategies.fsdp import clip_grad_norm as clip_grad_norm
+from stratagem.strategies.fsdp import every_module_of as every_module_of
+from stratagem.strategies.fsdp import fsdp as fsdp
+from stratagem.strategies.fsdp import fsdp_spawn as fsdp_spawn
 from stratagem.strategies.single import single_device as single_device
 from stratagem.strategy import Strategy as Strategy
 from stratagem.strategy import StrategyLike as StrategyLike
@@ -29,6 +39,7 @@ from stratagem.training import move_to_device as move_to_device
 __version__ = "0.1.0"
 
 __all__ = [
+    "CombinatorError",
     "Context",
     "DeviceSpec",
     "Env",
@@ -44,11 +55,20 @@ __all__ = [
     "StrategyFieldError",
     "StrategyLike",
     "UsageError",
+    "above_parameters",
+    "accumulate",
+    "clip_grad_norm",
     "ddp",
     "ddp_spawn",
     "detect_env",
+    "dp",
+    "every_module_of",
+    "fsdp",
+    "fsdp_spawn",
     "launch",
     "move_to_device",
     "single_device",
     "unwrap",
+    "with_clipping",
+    "with_precision",
 ]

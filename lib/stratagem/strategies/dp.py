@@ -1,0 +1,128 @@
+"""``dp()``: one process driving several GPUs through ``torch.nn.DataParallel``.
+
+``dp()`` is ``single_device()`` with two fields substituted: ``setup`` picks
+the first GPU (the CPU when there is none), and ``wrap`` wraps the module in
+``DataParallel``, which scatters each batch over the GPUs and gathers the
+outputs on the first. Without CUDA, ``DataParallel`` calls the module as it
+is, so ``dp()`` still runs (on the CPU) and trains exactly as ``single_device("cpu")``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+from torch.nn.parallel import DataParallel
+
+from stratagem import checkpoint, collectives, training
+from stratagem.env import Context, Env
+from stratagem.errors import LaunchError, UsageError, describe
+from stratagem.launchers import in_place
+from stratagem.strategies.single import keep_loader, leave
+from stratagem.strategy import Strategy
+
+__all__ = ["UseDataParallelDevices", "WrapDataParallel", "dp"]
+
+
+def _device_ids(value: object) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    ids = tuple(value) if isinstance(value, Sequence) and not isinstance(value, str) else None
+    if (
+        not ids
+        or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids)
+        or len(set(ids)) != len(ids)
+    ):
+        raise UsageError(
+            f"'device_ids' must be None (every GPU) or a non-empty list of distinct GPU "
+            f"indices, e.g. [0, 1] (got {describe(value)})."
+        )
+    return ids
+
+
+@attrs.frozen
+class UseDataParallelDevices:
+    """Setup field of ``dp()``: one process; its device is the first GPU used, else the CPU."""
+
+    device_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_device_ids)
+
+    def __call__(self, env: Env) -> Context:
+        if env.world_size != 1:
+            raise LaunchError(
+                f"dp() drives every GPU from one process, but {env.source!r} started a world "
+                f"of {env.world_size}; use ddp() to train on all of them."
+            )
+        if self.device_ids is None:
+            device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+            return Context(env=env, device=device)
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        missing = [i for i in self.device_ids if i >= count]
+        if missing:
+            raise UsageError(
+                f"dp(device_ids={list(self.device_ids)}) asks for GPU {missing[0]}, but this "
+                f"machine has {count} CUDA device(s); pass device_ids=None to use what there is."
+            )
+        return Context(env=env, device=torch.device("cuda", self.device_ids[0]))
+
+
+@attrs.frozen
+class WrapDataParallel:
+    """Wrap field of ``dp()``: move the module to the first device, wrap it in ``DataParallel``."""
+
+    device_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_device_ids)
+
+    def __call__(self, module: torch.nn.Module, ctx: Context) -> torch.nn.Module:
+        module = training.to_device(module, ctx)
+        ids = None if self.device_ids is None else list(self.device_ids)
+        return DataParallel(module, device_ids=ids)
+
+
+def dp(*, device_ids: Sequence[int] | None = None) -> Strategy:
+    """Train in one process on several GPUs with ``torch.nn.DataParallel``.
+
+    Each step scatters the batch over the GPUs, runs a replica of the module
+    on each, and gathers the outputs on the first GPU; gradients are summed
+    into the module there. A module whose forward returns a scalar (a loss)
+    gives one value per GPU: take their ``.mean()`` in your ``forward``.
+    The collectives are those of a world of one. On a machine without CUDA
+    it runs on the CPU, equal to ``single_device("cpu")``.
+
+    Args:
+        device_ids: GPU indices to use, the first one holding the module;
+            ``None`` uses every visible GPU (or the CPU when there is none).
+
+    Returns:
+        A `Strategy` that runs in place (``launch(..., devices=1)``).
+
+    Raises:
+        UsageError: ``device_ids`` is not ``None`` or a non-empty list of
+            distinct non-negative ints.
+
+    Example:
+        >>> import torch, stratagem as sg
+        >>> strategy = sg.dp()
+        >>> ctx = strategy.setup(sg.Env())
+        >>> model = strategy.wrap(torch.nn.Linear(2, 1), ctx)
+        >>> type(model).__name__, strategy.step(model, torch.ones(3, 2), ctx).shape
+        ('DataParallel', torch.Size([3, 1]))
+    """
+    ids = _device_ids(device_ids)
+    return Strategy(
+        name="dp",
+        launch=in_place,
+        setup=UseDataParallelDevices(ids),
+        wrap=WrapDataParallel(ids),
+        step=training.step,
+        backward=training.backward,
+        update=training.update,
+        no_sync=training.no_sync,  # replicas' gradients are summed in backward: nothing to defer
+        reduce=collectives.reduce,
+        gather=collectives.gather,
+        broadcast=collectives.broadcast,
+        barrier=collectives.barrier,
+        shard=keep_loader,
+        save=checkpoint.save,
+        load=checkpoint.load,
+        teardown=leave,
+    )

@@ -1,0 +1,514 @@
+"""``fsdp()`` and ``fsdp_spawn()``: fully sharded data parallel on ``fully_shard`` (FSDP2).
+
+``fsdp()`` is ``ddp()`` with four fields substituted: ``setup`` joins the
+process group and adds a device mesh to ``ctx.extras["mesh"]``, ``wrap``
+shards the module bottom-up as a policy says, ``no_sync`` turns off gradient
+synchronisation, ``update`` checks that the optimizer holds the sharded
+parameters. ``fsdp_spawn()`` differs from ``fsdp()`` by its launch field only.
+
+``torch.distributed.fsdp`` takes over a second to import, so it is imported
+where it is used, never by ``import stratagem``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import attrs
+import torch
+from typing_extensions import TypedDict, Unpack
+
+from stratagem import checkpoint, collectives, training
+from stratagem.devices import DeviceSpec, check_device_spec
+from stratagem.env import Context, Env
+from stratagem.errors import UsageError, describe
+from stratagem.fields import SetupFn
+from stratagem.launchers import in_place
+from stratagem.sharding import shard_loader
+from stratagem.spawn import Spawn
+from stratagem.strategies.ddp import JoinProcessGroup, leave_process_group
+from stratagem.strategy import Strategy
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+__all__ = [
+    "OPTIMIZER_BEFORE_WRAP",
+    "AboveParameters",
+    "EveryModuleOf",
+    "FSDPArgs",
+    "JoinMesh",
+    "ShardPolicy",
+    "ShardSize",
+    "WrapFSDP",
+    "above_parameters",
+    "clip_grad_norm",
+    "device_mesh",
+    "every_module_of",
+    "fsdp",
+    "fsdp_no_sync",
+    "fsdp_spawn",
+    "fsdp_update",
+    "mesh_shape",
+]
+
+ShardSize = int | Literal["world", "node"]
+"""Ranks per shard group: ``"world"`` (all), ``"node"`` (the ranks of a node), or a number."""
+
+OPTIMIZER_BEFORE_WRAP = (
+    "update: the optimizer holds a parameter that is not sharded ({what}): it was built "
+    "before wrap, from parameters that fully_shard has replaced, so its steps would not "
+    "reach the module. Build the optimizer after wrap: model = strategy.wrap(model, ctx), "
+    "then optimizer = torch.optim.AdamW(model.parameters())."
+)
+
+
+class ShardPolicy(Protocol):
+    """Which submodules get their own ``fully_shard`` group."""
+
+    def __call__(self, module: torch.nn.Module, /) -> bool:
+        """Return whether to shard ``module`` (its sharded descendants are already sharded)."""
+        ...
+
+
+def _module_types(
+    instance: object, attribute: attrs.Attribute[tuple[type, ...]], value: tuple[object, ...]
+) -> None:
+    bad = [t for t in value if not (isinstance(t, type) and issubclass(t, torch.nn.Module))]
+    if not value or bad:
+        shown = describe(bad[0]) if bad else "nothing"
+        raise UsageError(
+            f"every_module_of: pass one or more torch.nn.Module subclasses (got {shown}), "
+            "e.g. every_module_of(torch.nn.TransformerEncoderLayer)."
+        )
+
+
+@attrs.frozen(repr=False)
+class EveryModuleOf:
+    """Shard policy: shard every module that is an instance of one of ``types``."""
+
+    types: tuple[type[torch.nn.Module], ...] = attrs.field(validator=_module_types)
+
+    def __call__(self, module: torch.nn.Module) -> bool:
+        return isinstance(module, self.types)
+
+    def __repr__(self) -> str:
+        return f"every_module_of({', '.join(t.__qualname__ for t in self.types)})"
+
+
+def every_module_of(*types: type[torch.nn.Module]) -> EveryModuleOf:
+    """Return a policy that shards every module of the given types (a transformer's blocks).
+
+    Raises:
+        UsageError: no types, or one is not a ``torch.nn.Module`` subclass.
+
+    Example:
+        >>> policy = every_module_of(torch.nn.Linear)
+        >>> policy(torch.nn.Linear(2, 2)), policy(torch.nn.ReLU())
+        (True, False)
+    """
+    return EveryModuleOf(types)
+
+
+def _count(instance: object, attribute: attrs.Attribute[int], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise UsageError(
+            f"above_parameters: 'count' must be a non-negative int (got {describe(value)})."
+        )
+
+
+def _unsharded_numel(module: torch.nn.Module) -> int:
+    """Parameter elements of ``module`` that no sharded descendant already holds."""
+    seen: set[int] = set()
+    total, stack = 0, [module]
+    while stack:
+        current = stack.pop()
+        for parameter in current.parameters(recurse=False):
+            if id(parameter) not in seen:  # a shared parameter counts once
+                seen.add(id(parameter))
+                total += parameter.numel()
+        stack.extend(child for child in current.children() if not _is_sharded(child))
+    return total
+
+
+@attrs.frozen
+class AboveParameters:
+    """Shard policy: shard a module holding more than ``count`` parameter elements.
+
+    Elements already held by a sharded descendant do not count, as in FSDP1's
+    size-based policy, so parents of sharded blocks stay in the root's group.
+    """
+
+    count: int = attrs.field(validator=_count)
+
+    def __call__(self, module: torch.nn.Module) -> bool:
+        return _unsharded_numel(module) > self.count
+
+    def __repr__(self) -> str:
+        return f"above_parameters({self.count})"
+
+
+def above_parameters(count: int) -> AboveParameters:
+    """Return a policy that shards modules with more than ``count`` unsharded parameter elements.
+
+    Raises:
+        UsageError: ``count`` is not a non-negative int.
+
+    Example:
+        >>> policy = above_parameters(100)
+        >>> policy(torch.nn.Linear(10, 10)), policy(torch.nn.Linear(9, 9))  # 110 and 90 elements
+        (True, False)
+    """
+    return AboveParameters(count)
+
+
+def _is_sharded(module: torch.nn.Module) -> bool:
+    fsdp_module = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing is sharded
+    return fsdp_module is not None and isinstance(module, fsdp_module.FSDPModule)
+
+
+def _check_shard_size(value: object) -> None:
+    if value in ("world", "node"):
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(
+            f"'shard_size' must be 'world', 'node' or a positive int (got {describe(value)})."
+        )
+
+
+def _shard_size(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    _check_shard_size(value)
+
+
+def mesh_shape(env: Env, shard_size: ShardSize = "world") -> tuple[int, ...]:
+    """Return the mesh shape for ``shard_size``: ``(world,)``, or ``(replicas, shard_size)``.
+
+    Raises:
+        UsageError: the shard groups do not divide the world evenly.
+
+    Example:
+        >>> mesh_shape(Env(world_size=8, local_world_size=4), "node")
+        (2, 4)
+    """
+    _check_shard_size(shard_size)
+    world = env.world_size
+    if isinstance(shard_size, int):
+        size = shard_size
+    else:
+        size = world if shard_size == "world" else env.local_world_size
+    if world % size:
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        what = f"{size} ranks per node" if shard_size == "node" else f"{size} ranks"
+        raise UsageError(
+            f"fsdp: shard_size={shard_size!r} ({what}) does not divide the world of {world} "
+            f"ranks into equal shard groups; use one of {divisors}, or shard_size='world'."
+        )
+    return (world,) if size == world else (world // size, size)
+
+
+def device_mesh(ctx: Context, shard_size: ShardSize = "world") -> DeviceMesh:
+    """Build the device mesh of a joined world: 1-D (shard over all), or 2-D ``(replicate, shard)``.
+
+    Raises:
+        UsageError: the shard groups do not divide the world (see `mesh_shape`).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = mesh_shape(ctx.env, shard_size)
+    names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
+    return init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
+
+
+@attrs.frozen(kw_only=True)
+class JoinMesh:
+    """Setup field: run ``join`` (join the process group), then add ``ctx.extras["mesh"]``."""
+
+    join: SetupFn = attrs.field(factory=JoinProcessGroup)
+    shard_size: ShardSize = attrs.field(default="world", validator=_shard_size)
+
+    def __call__(self, env: Env) -> Context:
+        mesh_shape(env, self.shard_size)  # a world that does not factor fails before joining
+        ctx = self.join(env)
+        return ctx.with_extras(mesh=device_mesh(ctx, self.shard_size))
+
+
+def _policy(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and not callable(value):
+        raise UsageError(
+            f"'shard_when' must be None (shard the root only) or a function module -> bool, "
+            f"e.g. every_module_of(MyBlock) or above_parameters(10**6) (got {describe(value)})."
+        )
+
+
+def _reshard(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is None or isinstance(value, bool):
+        return
+    if not isinstance(value, int) or value < 2:
+        raise UsageError(
+            f"'reshard_after_forward' must be None, True, False or a shard group size of at "
+            f"least 2 (got {describe(value)})."
+        )
+
+
+def _mp_policy(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is None:
+        return
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if not isinstance(value, MixedPrecisionPolicy):
+        raise UsageError(
+            f"'mp_policy' must be None or a torch.distributed.fsdp.MixedPrecisionPolicy "
+            f"(got {describe(value)}), e.g. MixedPrecisionPolicy(param_dtype=torch.bfloat16)."
+        )
+
+
+def _bottom_up(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Yield the descendants of ``module`` children first, each once, skipping sharded subtrees."""
+    seen: set[int] = set()
+
+    def visit(current: torch.nn.Module) -> Iterator[torch.nn.Module]:
+        for child in current.children():
+            if id(child) in seen or _is_sharded(child):
+                continue
+            seen.add(id(child))
+            yield from visit(child)
+            yield child
+
+    return visit(module)
+
+
+def _has_forward(module: torch.nn.Module) -> bool:
+    # fully_shard hooks forward; containers without one (ModuleList, ModuleDict) never run it.
+    return type(module).forward is not torch.nn.Module.forward
+
+
+@attrs.frozen(kw_only=True)
+class WrapFSDP:
+    """Wrap field: ``fully_shard`` the submodules ``shard_when`` picks, bottom-up, then the root.
+
+    The module is sharded in place on ``ctx.extras["mesh"]`` and returned;
+    ``fully_shard`` moves its parameters to the mesh's device.
+    """
+
+    shard_when: ShardPolicy | None = attrs.field(default=None, validator=_policy)
+    reshard_after_forward: bool | int | None = attrs.field(default=None, validator=_reshard)
+    mp_policy: MixedPrecisionPolicy | None = attrs.field(default=None, validator=_mp_policy)
+
+    def __call__(self, module: torch.nn.Module, ctx: Context) -> torch.nn.Module:
+        from torch.distributed.fsdp import fully_shard
+
+        if not isinstance(module, torch.nn.Module):
+            raise UsageError(f"wrap: 'module' must be a torch.nn.Module (got {describe(module)}).")
+        if _is_sharded(module):
+            raise UsageError(
+                f"wrap: {type(module).__name__} is already sharded; wrap the plain module once."
+            )
+        mesh = ctx.extras.get("mesh")
+        if mesh is None:
+            raise UsageError(
+                "wrap: ctx.extras has no 'mesh'; pass the Context that fsdp().setup returned, "
+                "or add one: ctx.with_extras(mesh=device_mesh(ctx))."
+            )
+        options: dict[str, Any] = {"mesh": mesh}
+        if self.reshard_after_forward is not None:  # None: torch's default for root and children
+            options["reshard_after_forward"] = self.reshard_after_forward
+        if self.mp_policy is not None:
+            options["mp_policy"] = self.mp_policy
+        if self.shard_when is not None:
+            # Post-order: a policy sees a module after its chosen descendants are sharded.
+            for child in [m for m in _bottom_up(module) if _has_forward(m)]:
+                if _decide(self.shard_when, child):
+                    fully_shard(child, **options)
+        fully_shard(module, **options)
+        return module
+
+
+def _decide(policy: ShardPolicy, module: torch.nn.Module) -> bool:
+    decision = policy(module)
+    if not isinstance(decision, bool):
+        raise UsageError(
+            f"wrap: shard_when {policy!r} must return True or False, but returned "
+            f"{describe(decision)} for a {type(module).__name__}."
+        )
+    return decision
+
+
+def fsdp_update(optimizer: torch.optim.Optimizer, module: torch.nn.Module, ctx: Context) -> None:
+    """Update field: check that ``optimizer`` holds sharded parameters, then step and zero grads.
+
+    The check looks at the first parameter of each group, so it costs the same
+    for any model size.
+
+    Raises:
+        UsageError: a parameter group starts with a plain tensor, the mark of
+            an optimizer built before ``wrap`` (`OPTIMIZER_BEFORE_WRAP`).
+    """
+    from torch.distributed.tensor import DTensor
+
+    for group in optimizer.param_groups:
+        params = group["params"]
+        if params and not isinstance(params[0], DTensor):
+            first = params[0]
+            what = f"a {type(first).__name__} of shape {tuple(first.shape)}"
+            raise UsageError(OPTIMIZER_BEFORE_WRAP.format(what=what))
+    training.update(optimizer, module, ctx)
+
+
+@contextlib.contextmanager
+def _gradient_sync_off(module: Any) -> Iterator[None]:
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+
+
+def fsdp_no_sync(module: torch.nn.Module, ctx: Context) -> AbstractContextManager[None]:
+    """No-sync field: ``set_requires_gradient_sync(False)`` inside, ``True`` again on exit.
+
+    Gradients accumulate unsharded on each rank until a backward outside the context.
+
+    Raises:
+        UsageError: ``module`` is not the sharded module that ``wrap`` returned.
+    """
+    if not _is_sharded(module):
+        raise UsageError(
+            f"no_sync: 'module' must be the module wrap returned (an FSDPModule), "
+            f"got {type(module).__name__}."
+        )
+    return _gradient_sync_off(module)
+
+
+def clip_grad_norm(
+    module: torch.nn.Module, max_norm: float, *, norm_type: float = 2.0
+) -> torch.Tensor:
+    """Scale ``module``'s gradients so that their total norm is at most ``max_norm``.
+
+    Works on sharded (DTensor) gradients, computing the norm over every
+    shard, and on plain ones, so one call serves every strategy. Gradients
+    must all live on one mesh (as ``fsdp()`` puts them).
+
+    Args:
+        module: the wrapped module, after ``backward``.
+        max_norm: the largest total norm allowed.
+        norm_type: the p of the p-norm (``float("inf")`` for the largest entry).
+
+    Returns:
+        The total norm before clipping, a plain tensor, the same on every rank.
+
+    Raises:
+        UsageError: ``max_norm`` is not a positive number.
+    """
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+        raise UsageError(
+            f"clip_grad_norm: 'max_norm' must be a positive number (got {describe(max_norm)})."
+        )
+    params = [p for p in module.parameters() if p.grad is not None]
+    grads = [p.grad for p in params if p.grad is not None]  # the test again, for the type checker
+    total = torch.nn.utils.get_total_norm(grads, norm_type)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    if "torch.distributed.tensor" in sys.modules:  # DTensor grads mean it is imported
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(total, DTensor):
+            return total.full_tensor()
+    return total
+
+
+def fsdp(
+    *,
+    shard_when: ShardPolicy | None = None,
+    reshard_after_forward: bool | int | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    shard_size: ShardSize = "world",
+    device: DeviceSpec = "auto",
+    backend: str | None = None,
+    timeout: float | timedelta = timedelta(minutes=30),
+) -> Strategy:
+    """Fully sharded data parallel (``fully_shard``) on the ranks torchrun or SLURM started.
+
+    Build the optimizer after ``wrap``, from the wrapped module's parameters:
+    ``fully_shard`` replaces them with sharded ones. For ranks started here,
+    use `fsdp_spawn`.
+
+    Args:
+        shard_when: a policy ``module -> bool``, asked of every submodule
+            bottom-up (e.g. `every_module_of`, `above_parameters`); each ``True``
+            makes one group whose parameters are gathered together. ``None``
+            shards the root only: one group, gathered whole for every forward.
+        reshard_after_forward: passed to ``fully_shard``; ``None`` is torch's
+            default (``True`` for submodules, ``False`` for the root).
+        mp_policy: a ``torch.distributed.fsdp.MixedPrecisionPolicy``, or ``None``.
+        shard_size: ranks per shard group: ``"world"`` shards over all ranks;
+            ``"node"`` or a number builds a hybrid 2-D mesh that shards within
+            groups of that size and replicates across them.
+        device: ``"auto"`` (``cuda:LOCAL_RANK``, else CPU) or a device.
+        backend: ``None`` picks gloo on CPU and nccl on CUDA.
+        timeout: seconds (or a ``timedelta``) for process-group init and collectives.
+
+    Raises:
+        UsageError: an option has the wrong type or value.
+    """
+    return Strategy(
+        name="fsdp",
+        launch=in_place,
+        setup=JoinMesh(
+            join=JoinProcessGroup(
+                device=check_device_spec(device), backend=backend, timeout=timeout
+            ),
+            shard_size=shard_size,
+        ),
+        wrap=WrapFSDP(
+            shard_when=shard_when, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy
+        ),
+        step=training.step,
+        backward=training.backward,
+        update=fsdp_update,
+        no_sync=fsdp_no_sync,
+        reduce=collectives.reduce,
+        gather=collectives.gather,
+        broadcast=collectives.broadcast,
+        barrier=collectives.barrier,
+        shard=shard_loader,
+        save=checkpoint.save,
+        load=checkpoint.load,
+        teardown=leave_process_group,
+    )
+
+
+# Functional syntax on purpose, as for DDPArgs: no class in lib/ derives from TypedDict.
+FSDPArgs = TypedDict(  # noqa: UP013
+    "FSDPArgs",
+    {
+        "shard_when": "ShardPolicy | None",
+        "reshard_after_forward": "bool | int | None",
+        "mp_policy": "MixedPrecisionPolicy | None",
+        "shard_size": ShardSize,
+        "device": DeviceSpec,
+        "backend": "str | None",
+        "timeout": "float | timedelta",
+    },
+    total=False,
+)
+"""The keyword arguments of `fsdp`, for factories that forward them."""
+
+
+def fsdp_spawn(*, start: Spawn | None = None, **options: Unpack[FSDPArgs]) -> Strategy:
+    """`fsdp` whose ranks are spawned on this host: ``fsdp()`` with the launch field substituted.
+
+    Args:
+        start: the spawn launcher and its timeouts (default ``Spawn()``).
+        **options: the keyword arguments of `fsdp`.
+
+    Example:
+        >>> import attrs
+        >>> attrs.evolve(fsdp_spawn(), name="fsdp", launch=fsdp().launch) == fsdp()
+        True
+    """
+    return attrs.evolve(fsdp(**options), name="fsdp_spawn", launch=start or Spawn())
