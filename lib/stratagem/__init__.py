@@ -23,6 +23,9 @@ from stratagem.launchers import launch as launch
 from stratagem.sharding import ShardedLoader as ShardedLoader
 from stratagem.sharding import ShardSampler as ShardSampler
 from stratagem.spawn import Spawn as Spawn
+from stratagem.strategies.allreduce import allreduce_grads as allreduce_grads
+from stratagem.strategies.allreduce import allreduce_grads_spawn as allreduce_grads_spawn
+from stratagem.strategies.allreduce import broadcast_optimizer_state as broadcast_optimizer_state
 from stratagem.strategies.ddp import ddp as ddp
 from stratagem.strategies.ddp import ddp_spawn as ddp_spawn
 from stratagem.strategies.dp import dp as dp
@@ -57,6 +60,9 @@ __all__ = [
     "UsageError",
     "above_parameters",
     "accumulate",
+    "allreduce_grads",
+    "allreduce_grads_spawn",
+    "broadcast_optimizer_state",
     "clip_grad_norm",
     "ddp",
     "ddp_spawn",

@@ -1,0 +1,390 @@
+"""``allreduce_grads()``: the Horovod way of training, as ``ddp()`` with four fields substituted.
+
+No wrapper around the model. ``wrap`` moves it to the device and gives every
+rank rank 0's parameters and buffers; ``backward`` only accumulates local
+gradients; ``update`` all-reduces them in fused buckets (optionally cast to
+16 bits for the wire), averages, and steps the optimizer. ``no_sync`` is
+``training.no_sync``, the empty context of a single device: backward never
+communicates here, so several backward passes before one ``update`` already
+accumulate locally, and the one all-reduce in ``update`` covers them all.
+Setup, collectives, sharding, checkpoints and teardown are ``ddp()``'s own
+functions.
+
+``allreduce_grads_spawn(**options)`` is the same record with ``launch=Spawn()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any, Literal, TypeVar
+
+import attrs
+import torch
+import torch.distributed as dist
+
+# What torch._utils._flatten_dense_tensors calls, typed: flattening in C++, no Python call per
+# tensor. A bucket of one tensor flattens to a view of it, which is harmless here: every flat
+# buffer is written back into its tensors anyway.
+from torch._C._nn import flatten_dense_tensors as _flatten
+from torch._C._nn import unflatten_dense_tensors as _unflatten
+from typing_extensions import TypedDict, Unpack
+
+from stratagem import collectives, training
+from stratagem.devices import DeviceSpec
+from stratagem.env import Context
+from stratagem.errors import UsageError, describe
+from stratagem.spawn import Spawn
+from stratagem.strategies.ddp import ddp
+from stratagem.strategy import Strategy
+
+__all__ = [
+    "COMPRESSIONS",
+    "AllreduceArgs",
+    "AllreduceThenStep",
+    "Compression",
+    "allreduce_grads",
+    "allreduce_grads_spawn",
+    "average_gradients",
+    "broadcast_module",
+    "broadcast_optimizer_state",
+]
+
+Compression = Literal["bf16", "fp16"]
+COMPRESSIONS: tuple[Compression, ...] = ("bf16", "fp16")
+_WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+T = TypeVar("T")
+
+_MB = 1024 * 1024  # MiB, as DistributedDataParallel's bucket_cap_mb
+# Broadcasts happen once (wrap, a load): buckets as large as DDP's for its initial sync.
+_BROADCAST_BUCKET_BYTES = 250 * _MB
+
+
+def _distributed(ctx: Context) -> bool:
+    return ctx.group is not None and ctx.world_size > 1
+
+
+def _buckets(tensors: Sequence[torch.Tensor], cap_bytes: float) -> list[list[int]]:
+    """Group indices of ``tensors`` by device and dtype, in order, into runs of ``cap_bytes``.
+
+    The plan depends only on shapes and dtypes, so every rank makes the same
+    one. A tensor larger than the cap travels alone.
+    """
+    done: list[list[int]] = []
+    filling: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[int]]] = {}
+    for index, tensor in enumerate(tensors):
+        size = tensor.nbytes
+        members, filled = filling.setdefault((tensor.device, tensor.dtype), ([], [0]))
+        if members and filled[0] + size > cap_bytes:
+            done.append(members.copy())
+            members.clear()
+            filled[0] = 0
+        members.append(index)
+        filled[0] += size
+    return done + [members for members, _ in filling.values()]
+
+
+def _broadcast_(tensors: Sequence[torch.Tensor], ctx: Context, src: int) -> None:
+    """Overwrite ``tensors`` with rank ``src``'s values, one broadcast per bucket."""
+    with torch.no_grad():
+        for bucket in _buckets(tensors, _BROADCAST_BUCKET_BYTES):
+            members = [tensors[i] for i in bucket]
+            flat = _flatten(members)
+            # As bytes: a copy needs no arithmetic, and gloo lacks some dtypes (bool, int16).
+            dist.broadcast(flat.view(torch.uint8), src=src, group=ctx.group)
+            if ctx.rank != src:
+                torch._foreach_copy_(members, _unflatten(flat, members))
+
+
+def _layout(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:
+    named = [*module.named_parameters(), *module.named_buffers()]
+    return [(name, tuple(t.shape), str(t.dtype), t.requires_grad) for name, t in named]
+
+
+def _check_same_layout(module: torch.nn.Module, ctx: Context) -> None:
+    """Fail on every rank, instead of hanging, if ranks hold differently shaped modules."""
+    mine = _layout(module)
+    reference = collectives.broadcast(mine, ctx, src=0)
+    flag = torch.tensor(int(mine != reference), device=ctx.device)
+    differing = [r for r, bad in enumerate(collectives.gather(flag, ctx).tolist()) if bad]
+    if differing:
+        pairs = zip([*mine, None], [*reference, None], strict=False)
+        here = next((f"{a} vs rank 0's {b}" for a, b in pairs if a != b), "none")
+        raise UsageError(
+            f"wrap: rank(s) {differing} hold a module whose parameters and buffers differ from "
+            f"rank 0's (first difference on rank {ctx.rank}: {here}, as (name, shape, dtype, "
+            "requires_grad)); build the same model on every rank before wrap."
+        )
+
+
+def broadcast_module(module: torch.nn.Module, ctx: Context) -> torch.nn.Module:
+    """Wrap field: move ``module`` to the device and copy rank 0's parameters and buffers to all.
+
+    Returns the module itself, not a wrapper: ranks that built it from
+    different random seeds leave with identical weights.
+
+    Raises:
+        UsageError: ``module`` is not a module, or ranks' modules differ in
+            parameter or buffer names, shapes, dtypes or ``requires_grad``
+            (raised on every rank).
+    """
+    module = training.to_device(module, ctx)
+    if _distributed(ctx):
+        _check_same_layout(module, ctx)
+        _broadcast_([*module.parameters(), *module.buffers()], ctx, src=0)
+    return module
+
+
+def average_gradients(
+    module: torch.nn.Module,
+    ctx: Context,
+    *,
+    bucket_mb: float = 25.0,
+    compression: Compression | None = None,
+) -> None:
+    """Replace every rank's gradients by their mean over ranks, in buckets of ``bucket_mb``.
+
+    A parameter whose gradient is ``None`` on some ranks counts as zero there;
+    it stays ``None`` only when it is ``None`` on every rank (one small extra
+    all-reduce of a presence mask per call, as DDP does for unused
+    parameters), so an optimizer skips exactly the parameters that a single
+    process on the whole batch would skip.
+
+    Args:
+        module: the module ``wrap`` returned, the same layout on every rank.
+        ctx: the joined world; on a world of one nothing happens.
+        bucket_mb: most MiB fused into one all-reduce, per dtype.
+        compression: ``"bf16"`` or ``"fp16"`` to send 32- and 64-bit
+            gradients as 16-bit values (cast back on arrival), or ``None``.
+
+    Raises:
+        UsageError: a gradient is sparse.
+    """
+    if not _distributed(ctx):
+        return
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params:
+        return
+    grads, missing = [], []
+    for index, param in enumerate(params):
+        grad = param.grad
+        if grad is None:
+            missing.append(index)
+            grad = torch.zeros_like(param)  # also where the mean lands, if another rank has one
+        elif grad.is_sparse:
+            raise UsageError(
+                f"update: a parameter of shape {tuple(param.shape)} has a sparse gradient, "
+                "which allreduce_grads() cannot bucket; use dense gradients (e.g. "
+                "nn.Embedding(sparse=False)) or ddp()."
+            )
+        grads.append(grad)
+    # Which parameters have a gradient on any rank (MAX of 0/1 flags), sent alongside the buckets.
+    present = torch.ones(len(params), dtype=torch.uint8)
+    present[torch.tensor(missing, dtype=torch.long)] = 0
+    present = present.to(ctx.device)
+    present_work = dist.all_reduce(present, op=dist.ReduceOp.MAX, group=ctx.group, async_op=True)
+    wire = None if compression is None else _WIRE_DTYPES[compression]
+    pending = []
+    with torch.no_grad():
+        for bucket in _buckets(grads, bucket_mb * _MB):
+            members = [grads[i] for i in bucket]
+            flat = _flatten(members)
+            # Divide first, as DDP's default hook does: a 16-bit sum then overflows only where
+            # the mean itself would.
+            flat.div_(ctx.world_size)
+            small = not flat.is_floating_point() or flat.element_size() <= 2  # nothing to gain
+            sent = flat if wire is None or small else flat.to(wire)
+            work = dist.all_reduce(sent, group=ctx.group, async_op=True)  # overlaps next flatten
+            pending.append((members, flat, sent, work))
+        for members, flat, sent, work in pending:
+            work.wait()
+            if sent is not flat:
+                flat.copy_(sent)
+            torch._foreach_copy_(members, _unflatten(flat, members))
+    present_work.wait()
+    anywhere = present.tolist()
+    for index in missing:
+        if anywhere[index]:
+            params[index].grad = grads[index]
+
+
+def _bucket_mb(instance: object, attribute: attrs.Attribute[float], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise UsageError(
+            f"'bucket_mb' must be a positive number of MiB (got {describe(value)}); "
+            "25.0 is DDP's default, smaller buckets only add calls."
+        )
+
+
+def _compression(instance: object, attribute: attrs.Attribute[str | None], value: object) -> None:
+    if value is not None and value not in COMPRESSIONS:
+        raise UsageError(
+            f"'compression' must be None (full precision) or one of "
+            f"{', '.join(map(repr, COMPRESSIONS))} (got {describe(value)})."
+        )
+
+
+@attrs.frozen(kw_only=True)
+class AllreduceThenStep:
+    """Update field: average gradients over ranks (`average_gradients`), then ``training.update``.
+
+    Attributes:
+        bucket_mb: most MiB fused into one all-reduce, per dtype.
+        compression: ``"bf16"``, ``"fp16"`` or ``None``, the gradients' wire precision.
+    """
+
+    bucket_mb: float = attrs.field(default=25.0, validator=_bucket_mb)
+    compression: Compression | None = attrs.field(default=None, validator=_compression)
+
+    def __call__(
+        self, optimizer: torch.optim.Optimizer, module: torch.nn.Module, ctx: Context
+    ) -> None:
+        average_gradients(module, ctx, bucket_mb=self.bucket_mb, compression=self.compression)
+        training.update(optimizer, module, ctx)
+
+
+def allreduce_grads(
+    *,
+    bucket_mb: float = 25.0,
+    compression: Compression | None = None,
+    device: DeviceSpec = "auto",
+    backend: str | None = None,
+    timeout: float | timedelta = timedelta(minutes=30),
+) -> Strategy:
+    """Train the Horovod way: no wrapper, gradients all-reduced in buckets just before the step.
+
+    It is `ddp` with ``wrap``, ``step``, ``no_sync`` and ``update`` substituted
+    (``step`` by the same plain ``training.step``: neither needs a step of its
+    own). DDP overlaps communication with backward; this strategy
+    communicates after it, in fewer, larger calls, and can halve the bytes
+    with ``compression``. It runs in place, in ranks that torchrun or SLURM
+    started; `allreduce_grads_spawn` starts them here.
+
+    Args:
+        bucket_mb: most MiB of gradients fused into one all-reduce, per dtype.
+        compression: ``"bf16"`` or ``"fp16"`` sends 32/64-bit gradients as
+            16-bit values; ``None`` sends them as they are.
+        device: ``"auto"`` (``cuda:LOCAL_RANK``, else CPU) or a device.
+        backend: ``None`` picks gloo on CPU and nccl on CUDA.
+        timeout: seconds (or a ``timedelta``) that process-group init and every
+            collective wait before failing.
+
+    Raises:
+        UsageError: an option has the wrong type or value.
+
+    Example:
+        >>> import stratagem as sg
+        >>> sg.allreduce_grads(bucket_mb=4, compression="bf16").update
+        AllreduceThenStep(bucket_mb=4, compression='bf16')
+    """
+    return attrs.evolve(
+        ddp(device=device, backend=backend, timeout=timeout),
+        name="allreduce_grads",
+        wrap=broadcast_module,
+        step=training.step,
+        no_sync=training.no_sync,
+        update=AllreduceThenStep(bucket_mb=bucket_mb, compression=compression),
+    )
+
+
+# Functional syntax on purpose, as DDPArgs: no class in lib/ derives from anything but
+# Protocol or an exception.
+AllreduceArgs = TypedDict(  # noqa: UP013
+    "AllreduceArgs",
+    {
+        "bucket_mb": float,
+        "compression": "Compression | None",
+        "device": DeviceSpec,
+        "backend": "str | None",
+        "timeout": "float | timedelta",
+    },
+    total=False,
+)
+"""The keyword arguments of `allreduce_grads`, for factories that forward them."""
+
+
+def allreduce_grads_spawn(
+    *, start: Spawn | None = None, **options: Unpack[AllreduceArgs]
+) -> Strategy:
+    """`allreduce_grads` whose ranks are spawned on this host (the launch field substituted).
+
+    Args:
+        start: the spawn launcher and its timeouts (default ``Spawn()``).
+        **options: the keyword arguments of `allreduce_grads`.
+
+    Example:
+        >>> import attrs, stratagem as sg
+        >>> spawned = sg.allreduce_grads_spawn(bucket_mb=8)
+        >>> attrs.evolve(spawned, name="allreduce_grads", launch=sg.ddp().launch) == (
+        ...     sg.allreduce_grads(bucket_mb=8)
+        ... )
+        True
+    """
+    return attrs.evolve(
+        allreduce_grads(**options), name="allreduce_grads_spawn", launch=start or Spawn()
+    )
+
+
+@attrs.frozen
+class _Hole:
+    """Where a tensor of the optimizer state was, in the structure that travels pickled."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    on_cpu: bool
+
+
+def _map_leaves(value: Any, kind: type[T], fn: Callable[[T], Any]) -> Any:
+    """Apply ``fn`` to every ``kind`` inside dicts, lists and tuples, in a fixed order."""
+    if isinstance(value, kind):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: _map_leaves(v, kind, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_leaves(v, kind, fn) for v in value)
+    return value
+
+
+def broadcast_optimizer_state(
+    optimizer: torch.optim.Optimizer, ctx: Context, *, src: int = 0
+) -> None:
+    """Give every rank rank ``src``'s optimizer state, e.g. after only that rank loaded it.
+
+    Horovod's ``broadcast_optimizer_state``: the structure travels pickled, the
+    tensors in bucketed broadcasts through this rank's device. A tensor rank
+    ``src`` kept on the CPU (Adam's ``step``) stays on the CPU; the others land
+    on this rank's device, and ``load_state_dict`` places them as the
+    optimizer wants.
+
+    Args:
+        optimizer: the same optimizer class over the same parameters on every rank.
+        ctx: the joined world; on a world of one nothing happens.
+        src: the rank whose state wins.
+
+    Raises:
+        UsageError: ``src`` is not a rank of this world.
+    """
+    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < ctx.world_size:
+        raise UsageError(
+            f"broadcast_optimizer_state: 'src' must be a rank in [0, {ctx.world_size}) "
+            f"(got {describe(src)})."
+        )
+    if not _distributed(ctx):
+        return
+    tensors: list[torch.Tensor] = []
+
+    def hole(tensor: torch.Tensor) -> _Hole:
+        tensors.append(tensor.detach().to(ctx.device))
+        return _Hole(tuple(tensor.shape), tensor.dtype, tensor.device.type == "cpu")
+
+    skeleton = _map_leaves(optimizer.state_dict(), torch.Tensor, hole) if ctx.rank == src else None
+    skeleton = collectives.broadcast(skeleton, ctx, src=src)
+    holes: list[_Hole] = []
+    _map_leaves(skeleton, _Hole, holes.append)
+    if ctx.rank == src:
+        _broadcast_(tensors, ctx, src)  # sends; its own state is already in place
+        return
+    tensors = [torch.empty(h.shape, dtype=h.dtype, device=ctx.device) for h in holes]
+    _broadcast_(tensors, ctx, src)
+    arrived = iter(t.cpu() if h.on_cpu else t for t, h in zip(tensors, holes, strict=True))
+    optimizer.load_state_dict(_map_leaves(skeleton, _Hole, lambda _: next(arrived)))

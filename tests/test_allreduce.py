@@ -1,0 +1,444 @@
+"""allreduce_grads(): ddp() with wrap/step/no_sync/update substituted, checked on 2 gloo ranks.
+
+One launch (a module-scoped fixture) runs every multi-rank check; the tests
+then compare its results with single_device() and ddp() runs on the same data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import pickle
+
+import attrs
+import pytest
+import torch
+
+import stratagem as sg
+from stratagem import training
+from stratagem.env import Context, Env
+from stratagem.strategies.allreduce import (
+    AllreduceThenStep,
+    _buckets,
+    average_gradients,
+    broadcast_module,
+)
+
+STEPS = 5
+BATCH = 8
+MICRO = 2  # micro-batches per optimizer step in the accumulation run
+EXACT = {"rtol": 0, "atol": 1e-6}
+# Parameters after STEPS steps of SGD with momentum, 16-bit wire against float32 wire. Measured
+# differences: 1.1e-3 (bf16), 2.2e-4 (fp16). The per-element gradient bound is below.
+TRAINED_WITH_COMPRESSION = {"bf16": {"rtol": 0, "atol": 1e-2}, "fp16": {"rtol": 0, "atol": 2e-3}}
+# Unit roundoff of each wire dtype: an averaged gradient element is within
+# (world_size + 1) * u * mean_r |g_r| of the exact average (see docs/strategies.md).
+UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}
+FP16_SUBNORMAL = 2.0**-24
+
+
+# ----------------------------------------------------------------- models, data, training loop
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(7)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+
+
+class Branchy(torch.nn.Module):
+    """`rare` runs only for flagged samples (none on rank 1); `unused` never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.body = torch.nn.Linear(6, 2)
+        self.rare = torch.nn.Linear(6, 2)
+        self.unused = torch.nn.Linear(6, 2)
+
+
+def make_batches(flags: bool = False) -> list[tuple[torch.Tensor, ...]]:
+    generator = torch.Generator().manual_seed(11)
+    batches = []
+    for _ in range(STEPS):
+        inputs, targets = torch.randn(BATCH, 6, generator=generator), torch.randn(BATCH, 2)
+        flagged = torch.tensor([True, False, True, False] + [False] * (BATCH - 4))
+        batches.append((inputs, targets, flagged) if flags else (inputs, targets))
+    return batches
+
+
+def mean_loss(model, batch):
+    inputs, targets = batch
+    return torch.nn.functional.mse_loss(model(inputs), targets)
+
+
+def branchy_loss(model, batch):
+    inputs, targets, flags = batch
+    loss = (model.body(inputs) - targets).pow(2).mean()
+    if flags.any():  # on a rank without flagged samples `rare` gets no gradient at all
+        loss = loss + model.rare(inputs[flags]).pow(2).sum() / len(inputs)
+    return loss
+
+
+def global_mean_loss(global_size: int, world_size: int):
+    def forward(model, batch):
+        inputs, targets = batch
+        squared = (model(inputs) - targets).pow(2).mean(dim=1)
+        return squared.sum() * world_size / global_size
+
+    return forward
+
+
+def split(batch, sizes):
+    return [tuple(part) for part in zip(*(t.split(sizes) for t in batch), strict=True)]
+
+
+def half(batch, ctx):
+    return split(batch, [BATCH // ctx.world_size] * ctx.world_size)[ctx.rank]
+
+
+def uneven(batch, ctx):
+    return split(batch, [5, 3])[ctx.rank]
+
+
+def whole(batch, ctx):
+    return batch
+
+
+def train(strategy, ctx, piece_of, forward, *, micro=1, build=make_model, flags=False):
+    model = strategy.wrap(build(), ctx)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9, weight_decay=0.01)
+    for batch in make_batches(flags):
+        mine = piece_of(batch, ctx)
+        pieces = split(mine, [len(mine[0]) // micro] * micro)
+        for index, piece in enumerate(pieces):
+            last = index == len(pieces) - 1
+            with contextlib.nullcontext() if last else strategy.no_sync(model, ctx):
+                loss = strategy.step(model, piece, ctx, forward=forward)
+                strategy.backward(loss / micro, model, ctx)
+        strategy.update(optimizer, model, ctx)
+    return [p.detach().clone() for p in sg.unwrap(model).parameters()]
+
+
+def with_update(strategy, **options):
+    return attrs.evolve(strategy, update=AllreduceThenStep(**options))
+
+
+# ------------------------------------------------------------------- what the ranks check
+
+
+def different_starts(strategy, ctx):
+    """Each rank builds its module from its own seed, buffers of every kind included."""
+    torch.manual_seed(100 + ctx.rank)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    module[1].running_mean.normal_()
+    module[1].num_batches_tracked.fill_(3 + ctx.rank)
+    module.register_buffer("mask", torch.rand(5) > 0.5)  # bool: gloo cannot reduce it
+    module.register_buffer("counts", torch.randint(-99, 99, (3,), dtype=torch.int16))
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    wrapped = strategy.wrap(module, ctx)
+    return {"before": before, "after": wrapped.state_dict(), "same_object": wrapped is module}
+
+
+def compression_grads(ctx):
+    """Average the same rank-specific gradients, spread over six decades, with each wire."""
+    generator = torch.Generator().manual_seed(200 + ctx.rank)
+    module = torch.nn.Linear(64, 64)
+    local = [
+        torch.randn(p.shape, generator=generator)
+        * 10 ** (torch.rand(p.shape, generator=generator) * 6 - 3)
+        for p in module.parameters()
+    ]
+    out = {"local": local}
+    for compression in (None, "bf16", "fp16"):
+        for p, g in zip(module.parameters(), local, strict=True):
+            p.grad = g.clone()
+        average_gradients(module, ctx, compression=compression)
+        out[str(compression)] = [p.grad.clone() for p in module.parameters()]
+    return out
+
+
+def optimizer_states(strategy, ctx):
+    """Only rank `src` has stepped its Adam; after the broadcast every rank holds its state."""
+    out = {}
+    for src in (0, 1):
+        model = strategy.wrap(make_model(), ctx)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        if ctx.rank == src:
+            for batch in make_batches()[:2]:
+                mean_loss(model, batch).backward()
+                optimizer.step()
+        sg.broadcast_optimizer_state(optimizer, ctx, src=src)
+        out[src] = optimizer.state_dict()
+    return out
+
+
+def errors(strategy, ctx):
+    out = {}
+    try:  # rank 1 builds a wider first layer: an error on both ranks, not a hang
+        strategy.wrap(torch.nn.Linear(4 + ctx.rank, 2), ctx)
+    except sg.UsageError as error:
+        out["layout"] = str(error)
+    model = strategy.wrap(torch.nn.Embedding(10, 3, sparse=True), ctx)
+    model(torch.tensor([1, 2])).sum().backward()
+    try:
+        strategy.update(torch.optim.SGD(model.parameters(), lr=0.1), model, ctx)
+    except sg.UsageError as error:
+        out["sparse"] = str(error)
+    return out
+
+
+def on_ranks(strategy, ctx):
+    ddp = sg.ddp(device="cpu")
+    global_mean = global_mean_loss(BATCH, ctx.world_size)
+    return {
+        "even": train(strategy, ctx, half, mean_loss),
+        "uneven": train(strategy, ctx, uneven, global_mean),
+        "accumulated": train(strategy, ctx, half, mean_loss, micro=MICRO),
+        "tiny-buckets": train(with_update(strategy, bucket_mb=1e-6), ctx, half, mean_loss),
+        "huge-buckets": train(with_update(strategy, bucket_mb=1e6), ctx, half, mean_loss),
+        "bf16": train(with_update(strategy, compression="bf16"), ctx, half, mean_loss),
+        "fp16": train(with_update(strategy, compression="fp16"), ctx, half, mean_loss),
+        "branchy": train(strategy, ctx, half, branchy_loss, build=Branchy, flags=True),
+        "ddp-even": train(ddp, ctx, half, mean_loss),
+        "ddp-accumulated": train(ddp, ctx, half, mean_loss, micro=MICRO),
+        "different-starts": different_starts(strategy, ctx),
+        "compression-grads": compression_grads(ctx),
+        "optimizer-states": optimizer_states(strategy, ctx),
+        "errors": errors(strategy, ctx),
+    }
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return sg.launch(on_ranks, sg.allreduce_grads_spawn(device="cpu"), devices=2)
+
+
+@pytest.fixture(scope="module")
+def single():
+    ctx = Context(env=Env(), device=torch.device("cpu"))
+    strategy = sg.single_device("cpu")
+    return {
+        "whole": train(strategy, ctx, whole, mean_loss),
+        "branchy": train(strategy, ctx, whole, branchy_loss, build=Branchy, flags=True),
+    }
+
+
+def assert_params_close(ours, theirs, what, **tolerance):
+    for index, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        torch.testing.assert_close(a, b, **tolerance, msg=lambda m, i=index: f"{what}[{i}]: {m}")
+
+
+# ------------------------------------------------------------------------ the record itself
+
+
+def test_substituted_fields_relative_to_ddp_are_wrap_step_no_sync_update():
+    options = {"device": "cpu", "backend": "gloo", "timeout": 60}
+    ours = sg.allreduce_grads(bucket_mb=4, compression="fp16", **options)
+    theirs = sg.ddp(**options)
+    update = AllreduceThenStep(bucket_mb=4, compression="fp16")
+    assert ours == attrs.evolve(
+        theirs,
+        name="allreduce_grads",
+        wrap=broadcast_module,
+        step=training.step,
+        no_sync=training.no_sync,
+        update=update,
+    )
+    differing = [
+        f.name
+        for f in attrs.fields(sg.Strategy)
+        if getattr(ours, f.name) != getattr(theirs, f.name)
+    ]
+    # `step` is substituted by the same plain function DDP already uses: neither has its own.
+    assert differing == ["name", "wrap", "update", "no_sync"]
+    assert ours.step is theirs.step is training.step
+    assert ours.no_sync is sg.single_device("cpu").no_sync  # nothing to suspend, as on one device
+
+
+def test_spawn_variant_differs_only_in_launch():
+    ours, spawned = sg.allreduce_grads(bucket_mb=8), sg.allreduce_grads_spawn(bucket_mb=8)
+    differing = [
+        f.name
+        for f in attrs.fields(sg.Strategy)
+        if getattr(ours, f.name) != getattr(spawned, f.name)
+    ]
+    assert differing == ["name", "launch"]
+    assert spawned.launch == sg.Spawn()
+    assert sg.allreduce_grads_spawn(start=sg.Spawn(stop_grace=1)).launch == sg.Spawn(stop_grace=1)
+
+
+def test_update_field_is_a_readable_picklable_value():
+    update = sg.allreduce_grads(bucket_mb=2, compression="bf16").update
+    assert repr(update) == "AllreduceThenStep(bucket_mb=2, compression='bf16')"
+    assert pickle.loads(pickle.dumps(sg.allreduce_grads_spawn(compression="fp16"))) == (
+        sg.allreduce_grads_spawn(compression="fp16")
+    )
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, math.nan, "25", True, None])
+def test_bad_bucket_mb_is_a_clear_error(bad):
+    for make in (sg.allreduce_grads, sg.allreduce_grads_spawn, AllreduceThenStep):
+        with pytest.raises(
+            sg.UsageError, match=r"'bucket_mb' must be a positive number of MiB \(got"
+        ):
+            make(bucket_mb=bad)
+    with pytest.raises(ValueError, match=repr(bad).replace("(", r"\(")):
+        sg.allreduce_grads(bucket_mb=bad)
+
+
+@pytest.mark.parametrize("bad", ["int8", "BF16", "bfloat16", 16, True])
+def test_bad_compression_is_a_clear_error(bad):
+    for make in (sg.allreduce_grads, sg.allreduce_grads_spawn, AllreduceThenStep):
+        with pytest.raises(
+            sg.UsageError,
+            match=r"'compression' must be None \(full precision\) or one of 'bf16', 'fp16' \(got",
+        ):
+            make(compression=bad)
+
+
+def test_other_bad_options_are_ddps_errors():
+    with pytest.raises(sg.UsageError, match="'backend' must be"):
+        sg.allreduce_grads(backend="tcp")
+    with pytest.raises(sg.UsageError, match="'device' must be"):
+        sg.allreduce_grads(device=3)
+    with pytest.raises(sg.UsageError, match="'timeout' must be positive"):
+        sg.allreduce_grads_spawn(timeout=0)
+
+
+def test_broadcast_optimizer_state_checks_src_and_is_a_no_op_on_one_process():
+    ctx = Context(env=Env(), device=torch.device("cpu"))
+    optimizer = torch.optim.SGD(make_model().parameters(), lr=0.1)
+    with pytest.raises(sg.UsageError, match=r"'src' must be a rank in \[0, 1\) \(got 1, an int\)"):
+        sg.broadcast_optimizer_state(optimizer, ctx, src=1)
+    before = optimizer.state_dict()
+    sg.broadcast_optimizer_state(optimizer, ctx)
+    assert optimizer.state_dict() == before
+
+
+def test_buckets_split_by_dtype_and_cap_in_order():
+    f32, f64 = torch.zeros(4), torch.zeros(4, dtype=torch.float64)  # 16 and 32 bytes
+    big = torch.zeros(100)
+    tensors = [f32, f32, f64, f32, big, f32, f64]
+    # A full bucket closes when the next tensor of its dtype does not fit; a big one goes alone.
+    assert _buckets(tensors, 32) == [[0, 1], [3], [4], [2], [5], [6]]
+    assert sorted(len(b) for b in _buckets(tensors, 1e-6)) == [1] * 7
+    assert _buckets(tensors, math.inf) == [[0, 1, 3, 4, 5], [2, 6]]
+
+
+def test_world_of_one_trains_like_single_device(single):
+    ctx = Context(env=Env(), device=torch.device("cpu"))  # no process group: nothing to reduce
+    ours = train(sg.allreduce_grads(device="cpu"), ctx, whole, mean_loss)
+    assert_params_close(ours, single["whole"], "world of one", rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------- on two ranks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["even", "uneven", "accumulated"])
+def test_two_ranks_equal_single_device_on_the_whole_batch(ranks, single, case):
+    initial = [p.detach() for p in make_model().parameters()]
+    for rank, result in enumerate(ranks):
+        assert_params_close(result[case], single["whole"], f"{case}, rank {rank}", **EXACT)
+        assert not any(torch.allclose(a, b) for a, b in zip(result[case], initial, strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["even", "accumulated"])
+def test_two_ranks_equal_ddp_on_the_same_data(ranks, case):
+    for rank, result in enumerate(ranks):
+        assert_params_close(result[case], result[f"ddp-{case}"], f"{case}, rank {rank}", **EXACT)
+
+
+@pytest.mark.slow
+def test_tiny_and_huge_buckets_give_identical_results(ranks):
+    for result in ranks:
+        for tiny, huge, default in zip(
+            result["tiny-buckets"], result["huge-buckets"], result["even"], strict=True
+        ):
+            assert torch.equal(tiny, huge)
+            assert torch.equal(tiny, default)
+
+
+@pytest.mark.slow
+def test_ranks_that_start_different_end_identical_after_wrap(ranks):
+    rank0, rank1 = (result["different-starts"] for result in ranks)
+    assert rank0["same_object"] and rank1["same_object"]  # no wrapper
+    assert any(not torch.equal(rank0["before"][k], rank1["before"][k]) for k in rank0["before"])
+    for key, value in rank0["before"].items():
+        assert value.dtype == rank1["after"][key].dtype
+        assert torch.equal(rank0["after"][key], value), key
+        assert torch.equal(rank1["after"][key], value), key
+
+
+@pytest.mark.slow
+def test_parameters_without_gradients_match_single_device(ranks, single):
+    # rank 1 never runs `rare`; nobody runs `unused`, which weight decay must leave untouched.
+    initial = [p.detach() for p in Branchy().parameters()]
+    for rank, result in enumerate(ranks):
+        assert_params_close(result["branchy"], single["branchy"], f"rank {rank}", **EXACT)
+        rare_weight, unused = result["branchy"][2], result["branchy"][4:]
+        assert all(torch.equal(p, start) for p, start in zip(unused, initial[4:], strict=True))
+        assert not torch.allclose(rare_weight, initial[2])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compression", ["bf16", "fp16"])
+def test_compressed_gradients_are_within_the_stated_bound(ranks, compression):
+    local0, local1 = (result["compression-grads"]["local"] for result in ranks)
+    for result in ranks:
+        grads = result["compression-grads"]
+        for g0, g1, exact, lossy in zip(
+            local0, local1, grads["None"], grads[compression], strict=True
+        ):
+            mean = (g0.double() + g1.double()) / 2
+            torch.testing.assert_close(exact.double(), mean, rtol=2.0**-23, atol=0)
+            scale = (g0.double().abs() + g1.double().abs()) / 2
+            bound = 3 * UNIT_ROUNDOFF[compression] * scale + 2 * FP16_SUBNORMAL
+            assert ((lossy.double() - mean).abs() <= bound).all()
+            assert not torch.equal(lossy, exact)  # the wire really was 16-bit
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compression", ["bf16", "fp16"])
+def test_training_with_compression_stays_within_tolerance(ranks, compression):
+    for rank, result in enumerate(ranks):
+        assert_params_close(
+            result[compression],
+            result["even"],
+            f"{compression}, rank {rank}",
+            **TRAINED_WITH_COMPRESSION[compression],
+        )
+    assert all(
+        torch.equal(a, b) for a, b in zip(ranks[0][compression], ranks[1][compression], strict=True)
+    )
+
+
+def assert_same_state(a, b, where="state"):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.device == b.device, where
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same_state(a[key], b[key], f"{where}[{key!r}]")
+    else:
+        assert a == b, where
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("src", [0, 1])
+def test_optimizer_state_is_broadcast_from_src(ranks, src):
+    theirs, ours = ranks[src]["optimizer-states"][src], ranks[1 - src]["optimizer-states"][src]
+    assert len(theirs["state"]) == 4  # Adam stepped: exp_avg, exp_avg_sq, step per parameter
+    assert_same_state(ours, theirs)
+
+
+@pytest.mark.slow
+def test_mismatched_modules_and_sparse_gradients_fail_on_every_rank(ranks):
+    for rank, result in enumerate(ranks):
+        layout = result["errors"]["layout"]
+        assert "rank(s) [1] hold a module whose parameters and buffers differ" in layout
+        assert f"first difference on rank {rank}:" in layout
+        assert "build the same model on every rank" in layout
+        assert "has a sparse gradient" in result["errors"]["sparse"]
