@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import stratagem as sg
+from stratagem.testing import strategies as kit
 
 
 @st.composite
@@ -165,3 +166,18 @@ def test_env_record_rejects_bad_values_by_field():
         sg.Env(world_size=0)
     with pytest.raises(sg.EnvError, match="local_rank"):
         sg.Env(local_rank=2, local_world_size=2, world_size=4)
+
+
+@given(kit.envs())
+def test_the_kits_valid_environments_are_detected(environ):
+    env = sg.detect_env(environ)
+    assert env.is_distributed
+    assert 0 <= env.rank < env.world_size
+    assert 0 <= env.local_rank < env.local_world_size
+
+
+@given(kit.envs(valid=False))
+def test_the_kits_broken_environments_raise_naming_a_variable(environ):
+    with pytest.raises(sg.EnvError) as info:
+        sg.detect_env(environ)
+    assert any(name in str(info.value) for name in environ)
