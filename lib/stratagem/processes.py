@@ -8,9 +8,13 @@ bound to 127.0.0.1.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import pickle
+import signal
 import socket
+import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -26,8 +30,11 @@ from stratagem.env import Env
 from stratagem.errors import LaunchError, RankError, describe
 from stratagem.strategy import StrategyLike
 
+_PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
+
 __all__ = [
     "death_error",
+    "forwarding_signals",
     "local_env",
     "pack",
     "prepare_rank",
@@ -38,6 +45,59 @@ __all__ = [
     "send_error",
     "stop",
 ]
+
+
+def _die_with_parent() -> None:
+    # Linux: if the launching process dies without cleaning up (SIGKILL), its ranks die too.
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class _Interrupted(BaseException):
+    """A signal reached the launching process while ranks were running."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def forwarding_signals(processes: Sequence[BaseProcess]) -> Iterator[None]:
+    """Inside, SIGINT and SIGTERM reach the ranks too; a second signal kills them at once.
+
+    After the ranks are stopped, the first signal is delivered to this process
+    as it would have been: SIGINT as ``KeyboardInterrupt``, SIGTERM to the
+    handler that was installed before (by default, the process ends).
+    Outside the main thread, signals cannot be caught and nothing changes.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+
+    def handler(signum: int, frame: object) -> None:
+        received.append(signum)
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError, ValueError, AttributeError):
+                if process.is_alive() and process.pid is not None:
+                    os.kill(process.pid, signal.SIGKILL if len(received) > 1 else signum)
+        if len(received) == 1:
+            raise _Interrupted(signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    except _Interrupted as interrupted:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        if interrupted.signum == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        os.kill(os.getpid(), interrupted.signum)  # now handled as before the launch
+        raise
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def local_env(rank: int, world_size: int, port: int) -> Env:
@@ -56,6 +116,7 @@ def local_env(rank: int, world_size: int, port: int) -> Env:
 
 def prepare_rank(env: Env) -> None:
     """Settle a spawned rank's process before it joins: loopback sockets, a fair share of cores."""
+    _die_with_parent()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # spawned ranks share this host
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))

@@ -29,6 +29,7 @@ from stratagem.errors import UsageError, describe
 from stratagem.launchers import in_place
 from stratagem.processes import (
     death_error,
+    forwarding_signals,
     local_env,
     pack,
     prepare_rank,
@@ -93,6 +94,10 @@ class _World:
 
     def run(self) -> list[Any]:
         context = multiprocessing.get_context("spawn")
+        with forwarding_signals(self.processes):
+            return self._start_and_collect(context)
+
+    def _start_and_collect(self, context: Any) -> list[Any]:
         try:
             for rank in range(self.devices):
                 reader, writer = context.Pipe(duplex=False)

@@ -100,18 +100,36 @@ class JoinProcessGroup:
         if env.world_size == 1:
             store = HashStore()
         else:
-            store = TCPStore(
-                env.master_addr,
-                env.master_port,
-                world_size=env.world_size,
-                is_master=env.rank == 0 and not env.agent_store,
-                timeout=self.timeout,
-                wait_for_workers=False,
-            )
+            hosting = env.rank == 0 and not env.agent_store
+            try:
+                store = TCPStore(
+                    env.master_addr,
+                    env.master_port,
+                    world_size=env.world_size,
+                    is_master=hosting,
+                    timeout=self.timeout,
+                    wait_for_workers=False,
+                )
+            except RuntimeError as error:  # DistNetworkError, DistStoreError
+                raise LaunchError(_store_failure(env, hosting, error)) from error
         dist.init_process_group(
             backend, store=store, rank=env.rank, world_size=env.world_size, timeout=self.timeout
         )
         return Context(env=env, device=device, group=dist.group.WORLD)
+
+
+def _store_failure(env: Env, hosting: bool, error: RuntimeError) -> str:
+    where = f"{env.master_addr}:{env.master_port}"
+    if hosting:
+        return (
+            f"setup: rank 0 could not serve the rendezvous store on port {env.master_port}: "
+            f"it is in use or not available ({error}). Set MASTER_PORT to a free port "
+            "(under SLURM the default port comes from the job id)."
+        )
+    return (
+        f"setup: rank {env.rank} could not reach the rendezvous store at {where} within "
+        f"the timeout ({error}); check MASTER_ADDR/MASTER_PORT and that rank 0 started."
+    )
 
 
 def leave_process_group(ctx: Context) -> None:
