@@ -4,8 +4,15 @@ The public surface; everything here is re-exported from a private module.
 """
 
 from stratagem.checkpoint import unwrap as unwrap
+from stratagem.combinators import CollectiveMismatchError as CollectiveMismatchError
 from stratagem.combinators import CombinatorError as CombinatorError
+from stratagem.combinators import JsonLinesSink as JsonLinesSink
+from stratagem.combinators import ListSink as ListSink
+from stratagem.combinators import TraceEvent as TraceEvent
 from stratagem.combinators import accumulate as accumulate
+from stratagem.combinators import checked as checked
+from stratagem.combinators import compiled as compiled
+from stratagem.combinators import traced as traced
 from stratagem.combinators import with_clipping as with_clipping
 from stratagem.combinators import with_precision as with_precision
 from stratagem.devices import DeviceSpec as DeviceSpec
@@ -42,12 +49,15 @@ from stratagem.training import move_to_device as move_to_device
 __version__ = "0.1.0"
 
 __all__ = [
+    "CollectiveMismatchError",
     "CombinatorError",
     "Context",
     "DeviceSpec",
     "Env",
     "EnvError",
+    "JsonLinesSink",
     "LaunchError",
+    "ListSink",
     "RankError",
     "ReduceOp",
     "ShardSampler",
@@ -57,13 +67,16 @@ __all__ = [
     "Strategy",
     "StrategyFieldError",
     "StrategyLike",
+    "TraceEvent",
     "UsageError",
     "above_parameters",
     "accumulate",
     "allreduce_grads",
     "allreduce_grads_spawn",
     "broadcast_optimizer_state",
+    "checked",
     "clip_grad_norm",
+    "compiled",
     "ddp",
     "ddp_spawn",
     "detect_env",
@@ -74,6 +87,7 @@ __all__ = [
     "launch",
     "move_to_device",
     "single_device",
+    "traced",
     "unwrap",
     "with_clipping",
     "with_precision",

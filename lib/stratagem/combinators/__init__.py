@@ -2,7 +2,28 @@
 
 from stratagem.combinators._base import CombinatorError as CombinatorError
 from stratagem.combinators.accumulation import accumulate as accumulate
+from stratagem.combinators.checked import CollectiveMismatchError as CollectiveMismatchError
+from stratagem.combinators.checked import Fingerprint as Fingerprint
+from stratagem.combinators.checked import checked as checked
 from stratagem.combinators.clipping import with_clipping as with_clipping
+from stratagem.combinators.compiled import compiled as compiled
 from stratagem.combinators.precision import with_precision as with_precision
+from stratagem.combinators.tracing import JsonLinesSink as JsonLinesSink
+from stratagem.combinators.tracing import ListSink as ListSink
+from stratagem.combinators.tracing import TraceEvent as TraceEvent
+from stratagem.combinators.tracing import traced as traced
 
-__all__ = ["CombinatorError", "accumulate", "with_clipping", "with_precision"]
+__all__ = [
+    "CollectiveMismatchError",
+    "CombinatorError",
+    "Fingerprint",
+    "JsonLinesSink",
+    "ListSink",
+    "TraceEvent",
+    "accumulate",
+    "checked",
+    "compiled",
+    "traced",
+    "with_clipping",
+    "with_precision",
+]

@@ -18,6 +18,7 @@ from stratagem.combinators._base import (
 from stratagem.env import Context, Env
 from stratagem.errors import UsageError, describe
 from stratagem.fields import BackwardFn, ForwardFn, SetupFn, StepFn, UpdateFn, WrapFn
+from stratagem.strategies.fsdp import WrapFSDP
 from stratagem.strategy import Strategy
 from stratagem.training import move_to_device
 
@@ -178,6 +179,30 @@ class ScaledUpdate:
         self.inner(OptimizerHook(optimizer, on_step), module, ctx)  # type: ignore[arg-type]
 
 
+def _with_fsdp_policy(wrap: Any, precision: str, name: str) -> Any:
+    """Return ``wrap`` with its `WrapFSDP` layer given the precision's mixed precision policy."""
+    if isinstance(wrap, WrapFSDP):
+        if wrap.mp_policy is not None:
+            raise CombinatorError(
+                f"with_precision: {precision!r} sets FSDP's mixed precision policy, but strategy "
+                f"{name!r} already has mp_policy={wrap.mp_policy!r}; pass either "
+                "fsdp(mp_policy=...) or with_precision, not both."
+            )
+        from torch.distributed.fsdp import MixedPrecisionPolicy  # seconds to import: FSDP only
+
+        # Parameters gathered and computed in the low precision; gradients reduced in float32,
+        # so the sum over ranks loses nothing and the sharded gradients stay float32.
+        policy = MixedPrecisionPolicy(param_dtype=_dtype(precision), reduce_dtype=torch.float32)
+        return attrs.evolve(wrap, mp_policy=policy)
+    inner = getattr(wrap, "inner", None)
+    if inner is None or not attrs.has(type(wrap)):
+        raise CombinatorError(
+            f"with_precision: cannot reach fsdp's wrap through {wrap!r} to set its mixed "
+            f"precision policy; apply with_precision to strategy {name!r} before what added it."
+        )
+    return attrs.evolve(wrap, inner=_with_fsdp_policy(inner, precision, name))
+
+
 def with_precision(strategy: Strategy, precision: Precision) -> Strategy:
     """Train in a numeric precision: module dtype, autocast, loss scaling.
 
@@ -185,15 +210,26 @@ def with_precision(strategy: Strategy, precision: Precision) -> Strategy:
     ``"bf16-true"``, ``"16-mixed"``, ``"16-true"``.
 
     Fields touched: ``setup`` (device check, per-run `PrecisionState` in
-    ``ctx.extras["precision"]``), ``wrap`` (module dtype for ``-true``),
+    ``ctx.extras["precision"]``), ``wrap`` (module dtype for ``-true``; under
+    ``fsdp()``, its ``mp_policy`` for ``-mixed``),
     ``step`` (autocast for ``-mixed``, batch dtype for ``-true``), and for
     ``"16-mixed"`` ``backward`` (loss scaling) and ``update`` (unscale, skip
-    on overflow, scale update). Under FSDP, use the ``mp_policy`` of ``fsdp()``
-    for parameter and reduction dtypes; autocast here applies to the forward.
+    on overflow, scale update).
+
+    Under ``fsdp()``, a ``-mixed`` precision also sets the FSDP wrap's
+    ``MixedPrecisionPolicy(param_dtype=<its dtype>, reduce_dtype=torch.float32)``:
+    parameters are gathered and used in the low precision (half the traffic
+    and memory of the unsharded parameters) and gradients are reduced and
+    kept in float32. Autocast stays in ``step`` as well, so the operations it
+    keeps in float32 (softmax, norms, losses) still run in float32 and the
+    step-autocast law holds on every strategy. ``"16-mixed"`` keeps its
+    ``GradScaler``, which works on the sharded gradients (every rank skips an
+    overflowing step together).
 
     Raises:
         UsageError: ``precision`` is unknown.
-        CombinatorError: the strategy already has a precision.
+        CombinatorError: the strategy already has a precision, or (``-mixed``
+            under FSDP) its ``fsdp()`` already has an ``mp_policy``.
 
     Example:
         >>> import stratagem as sg
@@ -214,10 +250,13 @@ def with_precision(strategy: Strategy, precision: Precision) -> Strategy:
             f"with_precision: strategy {strategy.name!r} already has precision "
             f"{existing.precision!r}; apply with_precision once."
         )
+    wrap = strategy.wrap
+    if _mixed(precision) and applied(strategy, WrapFSDP) is not None:
+        wrap = _with_fsdp_policy(wrap, precision, strategy.name)
     changes: dict[str, Any] = {
         "name": f"{strategy.name}+{precision}",
         "setup": PrecisionSetup(strategy.setup, precision),
-        "wrap": PrecisionWrap(strategy.wrap, precision),
+        "wrap": PrecisionWrap(wrap, precision),
         "step": PrecisionStep(strategy.step, precision),
     }
     if precision == "16-mixed":

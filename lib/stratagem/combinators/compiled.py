@@ -1,0 +1,163 @@
+"""``compiled``: ``torch.compile`` around the module that the inner ``wrap`` returns.
+
+Compiling after the inner wrap puts the compiler around DDP (whose
+``DDPOptimizer`` then splits graphs at bucket boundaries) rather than inside
+it. ``torch._dynamo`` takes seconds to import, so nothing here imports it
+before a strategy is applied; checking the options imports it then.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import Any, cast
+
+import attrs
+import torch
+
+from stratagem.combinators._base import CombinatorError, applied
+from stratagem.combinators.accumulation import AccumulationStep
+from stratagem.env import Context
+from stratagem.errors import UsageError
+from stratagem.fields import NoSyncFn, WrapFn
+from stratagem.strategy import Strategy
+
+__all__ = ["CompiledNoSync", "CompiledWrap", "compiled", "original_module"]
+
+
+def original_module(module: torch.nn.Module) -> torch.nn.Module:
+    """Return the module inside a ``torch.compile`` wrapper, or ``module`` if it is not one."""
+    # Nothing is compiled if nobody imported torch._dynamo: no import for the check.
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
+        inner: torch.nn.Module = module._orig_mod  # noqa: SLF001  # torch offers no other handle
+        return inner
+    return module
+
+
+@contextlib.contextmanager
+def _torch_import_warnings_ignored() -> Iterator[None]:
+    # The first torch.compile imports inductor, whose imports (torch.utils.mkldnn) use
+    # torch.jit.script_method and so warn about torch's own code; under -W error that would
+    # abort the import halfway. The warning is not the user's to act on.
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", "`torch.jit.script_method` is deprecated", DeprecationWarning
+        )
+        yield
+
+
+@attrs.frozen
+class CompiledWrap:
+    """Wrap: the inner wrap, then ``torch.compile`` of what it returned.
+
+    Attributes:
+        inner: the wrap being extended.
+        options: the keyword arguments of ``torch.compile``, as sorted ``(name, value)``
+            pairs (a tuple keeps the record immutable and its repr readable).
+    """
+
+    inner: WrapFn
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def __call__(self, module: torch.nn.Module, ctx: Context) -> torch.nn.Module:
+        wrapped = self.inner(module, ctx)
+        with _torch_import_warnings_ignored():
+            return cast(torch.nn.Module, torch.compile(wrapped, **dict(self.options)))
+
+
+@attrs.frozen
+class CompiledNoSync:
+    """No-sync: the inner ``no_sync`` on the module under the compiler (DDP checks its type)."""
+
+    inner: NoSyncFn
+
+    def __call__(self, module: torch.nn.Module, ctx: Context) -> AbstractContextManager[Any]:
+        return self.inner(original_module(module), ctx)
+
+
+_NOT_OPTIONS = ("model",)  # the module comes from wrap
+
+
+def _check_names(options: dict[str, Any]) -> None:
+    accepted = [p for p in inspect.signature(torch.compile).parameters if p not in _NOT_OPTIONS]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise UsageError(
+            f"compiled: torch.compile has no option {', '.join(map(repr, unknown))}; its "
+            f"options are {', '.join(accepted)} (the module itself comes from wrap)."
+        )
+    if options.get("mode") is not None and options.get("options") is not None:
+        raise UsageError(
+            f"compiled: give 'mode' or 'options', not both (got mode={options['mode']!r} and "
+            f"options={options['options']!r}); torch.compile refuses the pair."
+        )
+
+
+def _probe(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _check_values(options: dict[str, Any]) -> None:
+    # torch.compile validates mode, backend and inductor options when called, before compiling
+    # anything: ask it now, so a typo fails here and not in every rank at wrap.
+    try:
+        with _torch_import_warnings_ignored():
+            torch.compile(_probe, **options)
+    except Exception as error:  # torch raises RuntimeError, InvalidBackend, AssertionError
+        shown = ", ".join(f"{k}={v!r}" for k, v in sorted(options.items()))
+        raise UsageError(
+            f"compiled: torch.compile rejects {shown} ({type(error).__name__}: "
+            f"{str(error)[:300]}). Fix the option, or leave it out for torch's default."
+        ) from None
+
+
+def compiled(strategy: Strategy, **torch_compile_options: Any) -> Strategy:
+    """Compile the wrapped module with ``torch.compile(**torch_compile_options)``.
+
+    The module is compiled after the inner ``wrap`` (so around DDP or FSDP, as
+    torch recommends); ``step`` calls the compiled module as it would the plain
+    one, so autocast and the user's forward are unchanged. ``sg.unwrap`` and
+    checkpoints see through the compiled wrapper.
+
+    Fields touched: ``wrap`` (`CompiledWrap`) and ``no_sync`` (`CompiledNoSync`,
+    which hands the inner ``no_sync`` the module under the compiler).
+
+    Args:
+        strategy: the strategy whose modules to compile.
+        **torch_compile_options: keyword arguments of ``torch.compile``
+            (``mode``, ``backend``, ``fullgraph``, ``dynamic``, ``options``, ...).
+
+    Returns:
+        The strategy with a compiling ``wrap``.
+
+    Raises:
+        UsageError: an option is not one of ``torch.compile``'s, or
+            ``torch.compile`` rejects its value (checking imports ``torch._dynamo``,
+            a few seconds, once per process).
+        CombinatorError: the strategy is already compiled, or already accumulates
+            (accumulation's ``step`` holds the ``no_sync`` it was given, which
+            cannot take a compiled module: apply ``compiled`` first).
+    """
+    if applied(strategy, CompiledWrap) is not None:
+        raise CombinatorError(
+            f"compiled: strategy {strategy.name!r} is already compiled; apply compiled once."
+        )
+    if applied(strategy, AccumulationStep) is not None:
+        raise CombinatorError(
+            f"compiled: strategy {strategy.name!r} already accumulates, and accumulation's step "
+            "would hand the compiled module to a no_sync that expects the plain one; apply "
+            "compiled first: accumulate(compiled(strategy), every)."
+        )
+    _check_names(torch_compile_options)
+    _check_values(torch_compile_options)
+    return attrs.evolve(
+        strategy,
+        name=f"{strategy.name}+compiled",
+        wrap=CompiledWrap(strategy.wrap, tuple(sorted(torch_compile_options.items()))),
+        no_sync=CompiledNoSync(strategy.no_sync),
+    )
