@@ -3,6 +3,7 @@
 The public surface; everything here is re-exported from a private module.
 """
 
+from stratagem.checkpoint import CheckpointError as CheckpointError
 from stratagem.checkpoint import unwrap as unwrap
 from stratagem.combinators import CollectiveMismatchError as CollectiveMismatchError
 from stratagem.combinators import CombinatorError as CombinatorError
@@ -49,6 +50,7 @@ from stratagem.training import move_to_device as move_to_device
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
     "CollectiveMismatchError",
     "CombinatorError",
     "Context",

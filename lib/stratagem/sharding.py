@@ -2,12 +2,14 @@
 
 `shard_loader` rebuilds the user's DataLoader around a `ShardSampler` and
 returns a `ShardedLoader` that advances the epoch at each pass, so shuffled
-epochs differ without a ``set_epoch`` call in the user's loop.
+epochs differ without a ``set_epoch`` call in the user's loop. The loader's
+position (epoch, samples consumed) is checkpointable state, so a resumed run
+continues in the middle of an epoch with the batches it would have seen.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import attrs
@@ -28,11 +30,16 @@ class ShardSampler:
 
     Each epoch draws one permutation of all indices (the same on every rank,
     from ``seed + epoch``) and deals it out: rank ``r`` takes positions
-    ``r, r + world_size, ...``. Nothing is padded or repeated: with
+    ``start + r, start + r + world_size, ...``. Nothing is padded or repeated: with
     ``drop_last=False`` every sample goes to exactly one rank and shares differ
     by at most one sample; with ``drop_last=True`` the last
     ``len(dataset) % world_size`` samples of the permutation are left out so
     that every rank gets the same number.
+
+    ``start`` skips the first positions of the permutation, which the world
+    consumed before a checkpoint: ``world_size * batches * batch_size`` after
+    every rank took ``batches`` whole batches, since dealing makes what the
+    ranks consumed together a prefix of the permutation.
     """
 
     size: int
@@ -42,6 +49,7 @@ class ShardSampler:
     seed: int = 0
     drop_last: bool = False
     epoch: int = 0
+    start: int = 0
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the permutation of the next pass."""
@@ -56,15 +64,30 @@ class ShardSampler:
             order = torch.randperm(self.size, generator=generator)
         else:
             order = torch.arange(self.size)
-        return iter(order[: self._total()][self.rank :: self.world_size].tolist())
+        rest = order[: self._total()][self.start :]
+        return iter(rest[self.rank :: self.world_size].tolist())
 
     def __len__(self) -> int:
-        return len(range(self.rank, self._total(), self.world_size))
+        return len(range(self.rank, max(0, self._total() - self.start), self.world_size))
+
+
+@attrs.define
+class _Pass:
+    """Where the latest pass over a `ShardedLoader` stands."""
+
+    epoch: int
+    start: int  # positions of the epoch's permutation consumed before this pass
+    batches: int = 0  # batches this rank took in this pass
 
 
 @attrs.define
 class ShardedLoader:
-    """A rank's DataLoader that starts a new epoch at every pass.
+    """A rank's DataLoader that starts a new epoch at every pass; its position is checkpointable.
+
+    ``state_dict()`` is the position of the latest pass (``{"epoch", "consumed"}``:
+    positions of that epoch's permutation the world has consumed), or of the
+    next one once a pass ends; after ``load_state_dict`` the next pass resumes
+    there. A pass left before its end (``break``) counts as in progress.
 
     Attributes:
         loader: the rebuilt DataLoader.
@@ -75,14 +98,66 @@ class ShardedLoader:
     loader: DataLoader[Any]
     sampler: ShardSampler | DistributedSampler[Any]
     epoch: int = 0
+    _start: int = attrs.field(default=0, init=False)
+    _pass: _Pass | None = attrs.field(default=None, init=False, repr=False)
 
     def __iter__(self) -> Iterator[Any]:
-        self.sampler.set_epoch(self.epoch)
-        self.epoch += 1
-        return iter(self.loader)
+        epoch, start = self.epoch, self._start
+        self.epoch, self._start = epoch + 1, 0
+        self._pass = _Pass(epoch, start)
+        return self._run(self._pass)
+
+    def _run(self, progress: _Pass) -> Iterator[Any]:
+        self.sampler.set_epoch(progress.epoch)
+        skip = 0
+        if isinstance(self.sampler, ShardSampler):
+            self.sampler.start = progress.start
+            if self.loader.generator is not None:
+                # Workers' seeds come from this generator: per epoch, and never from the
+                # global RNG, whose state a resumed run restores.
+                self.loader.generator.manual_seed(self.sampler.seed + progress.epoch)
+        else:  # a user's DistributedSampler cannot skip: its batches are loaded and dropped
+            skip = progress.start // self._positions_per_batch()
+        for index, batch in enumerate(self.loader):
+            if index >= skip:
+                progress.batches += 1
+                yield batch
+        if self._pass is progress:
+            self._pass = None
+
+    def _positions_per_batch(self) -> int:
+        world = (
+            self.sampler.world_size
+            if isinstance(self.sampler, ShardSampler)
+            else self.sampler.num_replicas
+        )
+        return world * (self.loader.batch_size or 1)
 
     def __len__(self) -> int:
         return len(self.loader)
+
+    def state_dict(self) -> dict[str, int]:
+        """Return the position: the epoch in progress (or next) and the positions consumed of it."""
+        if self._pass is None:
+            return {"epoch": self.epoch, "consumed": self._start}
+        consumed = self._pass.start + self._pass.batches * self._positions_per_batch()
+        return {"epoch": self._pass.epoch, "consumed": consumed}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Make the next pass resume at a position `state_dict` returned.
+
+        Raises:
+            UsageError: ``state`` is not such a position.
+        """
+        epoch, consumed = state.get("epoch"), state.get("consumed")
+        if not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (epoch, consumed)
+        ):
+            raise UsageError(
+                "ShardedLoader.load_state_dict: 'state' must hold non-negative ints 'epoch' and "
+                f"'consumed' (got {describe(dict(state))})."
+            )
+        self.epoch, self._start, self._pass = epoch, consumed, None  # type: ignore[assignment]
 
 
 def _seed_of(loader: DataLoader[Any]) -> int:
@@ -106,7 +181,8 @@ def _rebuild(loader: DataLoader[T], sampler: ShardSampler) -> DataLoader[T]:
     }
     if loader.num_workers > 0:
         options["prefetch_factor"] = loader.prefetch_factor
-    return DataLoader(loader.dataset, sampler=sampler, **options)
+    # Its own generator, seeded per epoch by ShardedLoader: iterating never touches the global RNG.
+    return DataLoader(loader.dataset, sampler=sampler, generator=torch.Generator(), **options)
 
 
 def shard_loader(loader: Iterable[T], ctx: Context) -> Iterable[T]:

@@ -1,0 +1,27 @@
+"""Checkpoints on ``torch.distributed.checkpoint``: portable, atomic, safe to read.
+
+``save(path, state, ctx)`` writes a directory; ``load(path, state, ctx)``
+restores modules, optimizers and objects in place and returns the plain
+values; ``describe(path)`` lists what a checkpoint holds; ``latest(dir)``
+finds the newest one. See ``docs/checkpoints.md``.
+"""
+
+from stratagem.checkpoint.api import load as load
+from stratagem.checkpoint.api import save as save
+from stratagem.checkpoint.entries import unwrap as unwrap
+from stratagem.checkpoint.layout import CheckpointError as CheckpointError
+from stratagem.checkpoint.layout import latest as latest
+from stratagem.checkpoint.summary import Description as Description
+from stratagem.checkpoint.summary import TensorInfo as TensorInfo
+from stratagem.checkpoint.summary import describe as describe
+
+__all__ = [
+    "CheckpointError",
+    "Description",
+    "TensorInfo",
+    "describe",
+    "latest",
+    "load",
+    "save",
+    "unwrap",
+]

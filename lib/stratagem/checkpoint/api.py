@@ -1,0 +1,298 @@
+"""``save`` and ``load``: the record's checkpoint fields, on ``torch.distributed.checkpoint``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+import torch
+
+from stratagem import collectives
+from stratagem.checkpoint import layout
+from stratagem.checkpoint import rng as rng_states
+from stratagem.checkpoint.entries import KINDS, RNG_KEY, Entry, Kind, classify, saved_state
+from stratagem.checkpoint.layout import CheckpointError, Found
+from stratagem.checkpoint.matching import Mismatch, layout_of, match
+from stratagem.checkpoint.safety import decode, read_metadata
+from stratagem.env import Context
+from stratagem.errors import UsageError, describe
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+__all__ = ["load", "save"]
+
+logger = logging.getLogger("stratagem.checkpoint")
+
+T = TypeVar("T")
+
+
+def checked_path(path: object, function: str) -> Path:
+    """Return ``path`` as an absolute `Path`.
+
+    Raises:
+        UsageError: ``path`` is not a non-empty str or path-like.
+    """
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise UsageError(f"{function}: 'path' must be a str or os.PathLike (got {describe(path)}).")
+    return Path(os.fspath(path)).absolute()
+
+
+def on_main(ctx: Context, fn: Callable[[], T]) -> T:
+    """Run ``fn`` on rank 0 and return its result on every rank; if it raises, every rank raises.
+
+    Raises:
+        Exception: what ``fn`` raised on rank 0 (the others raise the same error).
+    """
+    outcome: tuple[bool, Any] = (True, None)
+    if ctx.is_main:
+        try:
+            outcome = (True, fn())
+        except Exception as error:  # every rank must learn of it, or the others would hang
+            outcome = (False, error)
+    outcome = collectives.broadcast(outcome, ctx)
+    ok, value = outcome
+    if not ok:
+        raise value
+    return value  # type: ignore[no-any-return]
+
+
+def agree(ctx: Context, error: Exception | None) -> None:
+    """Raise on every rank if any rank has an error (the failing rank raises its own)."""
+    # On the context's device: NCCL reduces CUDA tensors only.
+    flag = torch.tensor([0 if error is None else 1 + ctx.rank], device=ctx.device)
+    failed = collectives.reduce(flag, "max", ctx)
+    if error is not None:
+        raise error
+    if int(failed) > 0:
+        raise CheckpointError(
+            f"rank {int(failed) - 1} could not take part in the checkpoint; see its error."
+        )
+
+
+def save(
+    path: str | os.PathLike[str],
+    state: Mapping[str, Any],
+    ctx: Context,
+    *,
+    keep_last: int | None = None,
+    rng: bool = True,
+) -> None:
+    """Write ``state`` to the directory ``path``, atomically, on every rank of ``ctx``.
+
+    Every rank writes its shards into ``path.tmp-<token>`` beside ``path``;
+    after a barrier rank 0 writes the manifest and renames the directory into
+    place (see `stratagem.checkpoint.layout`). A save that fails or is killed
+    leaves the previous checkpoint at ``path`` loadable and unchanged.
+
+    Args:
+        path: the checkpoint directory; the same on every rank (a shared filesystem).
+        state: modules, optimizers, objects with ``state_dict``/``load_state_dict``
+            and plain values, by name.
+        ctx: the joined world; every rank must call ``save``.
+        keep_last: after the save, keep only this many newest checkpoints in
+            ``path``'s parent directory (``None``: keep all).
+        rng: also record every rank's RNG states (Python, NumPy, torch).
+
+    Raises:
+        UsageError: ``state`` or ``keep_last`` is malformed, a plain value is
+            not storable safely, or an optimizer's module is not in ``state``.
+        CheckpointError: writing failed, or ``path`` exists and is not a checkpoint.
+    """
+    target = checked_path(path, "save")
+    if keep_last is not None and (
+        isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
+    ):
+        raise UsageError(
+            f"save: 'keep_last' must be None or a positive int (got {describe(keep_last)})."
+        )
+    entries = classify(state, "save")
+    saved: dict[str, Any] = {}
+    error: Exception | None = None
+    try:
+        saved = saved_state(entries, ctx, with_rng=rng)
+    except UsageError as caught:
+        error = caught
+    agree(ctx, error)
+    from stratagem.checkpoint import engine  # imports DCP (a second): only once it is needed
+
+    tmp = on_main(ctx, lambda: _begin(target))
+    manifest = {
+        "entries": {e.name: e.kind for e in entries},
+        "world_size": ctx.world_size,
+        "rng": rng,
+        "torch": torch.__version__,
+    }
+    try:
+        layout.stage_hook("writing")
+        engine.write(tmp, saved, ctx)
+        collectives.barrier(ctx)  # every rank has written its files
+        layout.stage_hook("written")
+        on_main(ctx, lambda: layout.commit(tmp, target, manifest, keep_last))
+    except BaseException:
+        if ctx.is_main:
+            layout.discard(tmp)
+        raise
+
+
+def _begin(target: Path) -> Path:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = layout.temporary(target, secrets.token_hex(6))
+    tmp.mkdir()
+    return tmp
+
+
+def _kinds(found: Found) -> dict[str, Kind]:
+    entries = found.manifest.get("entries")
+    world = found.manifest.get("world_size")
+    if (
+        not isinstance(entries, dict)
+        or not all(isinstance(k, str) and v in KINDS for k, v in entries.items())
+        or not isinstance(world, int)
+    ):
+        raise CheckpointError(
+            f"load: {str(found.directory)!r} is not a readable checkpoint: its manifest "
+            "does not list its entries."
+        )
+    return entries
+
+
+def open_checkpoint(target: Path) -> tuple[Found, Metadata]:
+    """Resolve ``target``, check its files, read its metadata safely (rank 0's part of a load)."""
+    found = layout.resolve(target)
+    _kinds(found)
+    metadata = read_metadata(found.directory)
+    layout_of(metadata)  # every item has a key path
+    from stratagem.checkpoint import engine
+
+    engine.check_storage(found.directory, metadata, found.manifest["files"])
+    return found, metadata
+
+
+def blob_paths(kinds: dict[str, Kind], world_size: int) -> set[tuple[str, ...]]:
+    """Return the key paths of the values stored as bytes: plain values, objects' states, RNGs."""
+    paths = {(name,) for name, kind in kinds.items() if kind in ("object", "value")}
+    return paths | {(RNG_KEY, str(rank)) for rank in range(world_size)}
+
+
+def decoded(stored: dict[tuple[str, ...], Any], path: tuple[str, ...], what: str) -> Any:
+    """Return the value `engine.read_values` read at ``path``, decoded safely.
+
+    Raises:
+        CheckpointError: it is not there, or it is not a plain value.
+    """
+    if path not in stored:
+        raise CheckpointError(f"load: the checkpoint lists {what} but holds no data for it.")
+    return decode(stored[path], what)
+
+
+def load(
+    path: str | os.PathLike[str],
+    state: Mapping[str, Any],
+    ctx: Context,
+    *,
+    strict: bool = True,
+    rng: bool = True,
+) -> dict[str, Any]:
+    """Restore ``state``'s objects in place from the checkpoint ``path``; return its plain values.
+
+    Every rank must call it. Checkpoints load under any strategy: a module's
+    shards are read into whatever sharding the live module has. RNG states are
+    restored when the world size equals the saving one (a resumed run).
+
+    Args:
+        path: a checkpoint directory that `save` wrote. If a save into it was
+            interrupted between its two renames, the previous checkpoint is read.
+        state: the objects to restore, by the names they were saved under.
+            Plain values in it are ignored: every saved plain value is returned.
+        ctx: the joined world.
+        strict: raise if ``state`` and the checkpoint differ in entries or keys.
+            With ``False``, what matches is loaded and the differences are
+            logged on rank 0 (logger ``stratagem.checkpoint``, level WARNING).
+        rng: restore this rank's RNG states, when the checkpoint has them.
+
+    Returns:
+        Every plain value saved, by name.
+
+    Raises:
+        FileNotFoundError: there is no checkpoint at ``path``.
+        CheckpointError: the checkpoint is truncated, tampered with or
+            unreadable (nothing in it is unpickled without restriction), or it
+            does not match ``state`` (the message lists the keys).
+        UsageError: ``state`` is malformed.
+    """
+    target = checked_path(path, "load")
+    entries = classify(state, "load")
+    found, metadata = on_main(ctx, lambda: open_checkpoint(target))
+    kinds = _kinds(found)
+    saved_world = found.manifest["world_size"]
+    from stratagem.checkpoint import engine
+
+    # Every value is read and vetted before any live tensor is written.
+    stored = engine.read_values(found.directory, metadata, blob_paths(kinds, saved_world), ctx)
+    values = {
+        n: decoded(stored, (n,), f"the value {n!r}") for n, k in kinds.items() if k == "value"
+    }
+    objects = {
+        e.name: decoded(stored, (e.name,), f"the state of {e.name!r}")
+        for e in entries
+        if e.kind == "object" and kinds.get(e.name) == "object"
+    }
+    own_rng = (RNG_KEY, str(ctx.rank))
+    restore_rng = rng and saved_world == ctx.world_size and own_rng in stored
+    rng_saved = decode(stored[own_rng], "the RNG state") if restore_rng else None
+    templates, mismatch = match(entries, kinds, layout_of(metadata))
+    agree(ctx, _refusal(found, mismatch, strict))
+    if mismatch and ctx.is_main:
+        logger.warning(
+            "load: %s differs from state (strict=False):\n%s", found.directory, mismatch.report()
+        )
+    if templates:
+        try:
+            engine.read(found.directory, metadata, templates, ctx, partial=not strict)
+        except CheckpointError as error:
+            raise CheckpointError(
+                f"{error} Tensors are read into the live objects: those in 'state' may be "
+                "partly loaded; load again or rebuild them."
+            ) from None
+    _apply(entries, templates, objects, strict)
+    if rng_saved is not None:
+        rng_states.restore(rng_saved, ctx.device)
+    return values
+
+
+def _refusal(found: Found, mismatch: Mismatch, strict: bool) -> CheckpointError | None:
+    if mismatch.differing or (strict and mismatch):
+        fix = "Load into objects of the saved structure"
+        if not mismatch.differing:
+            fix += ", or pass strict=False to load what matches"
+        return CheckpointError(
+            f"load: the checkpoint at {str(found.directory)!r} does not match 'state':\n"
+            f"{mismatch.report()}\n{fix}."
+        )
+    return None
+
+
+def _apply(
+    entries: list[Entry], templates: dict[str, Any], objects: dict[str, Any], strict: bool
+) -> None:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    for entry in entries:
+        if entry.name in templates and entry.kind == "module":
+            set_model_state_dict(
+                entry.target, templates[entry.name], options=StateDictOptions(strict=strict)
+            )
+        elif entry.name in templates and entry.kind == "optimizer":
+            owner = cast(torch.nn.Module, entry.owner)  # classify found it for every optimizer
+            set_optimizer_state_dict(owner, entry.target, templates[entry.name])
+        elif entry.name in objects:
+            entry.target.load_state_dict(objects[entry.name])

@@ -1,0 +1,255 @@
+"""The ``torch.distributed.checkpoint`` glue: write a state dict, read one back safely.
+
+Imported on first use (DCP takes a second to import). Reading goes through two
+small adapters that do not subclass DCP's classes (house rule): a storage
+reader that serves metadata already read by `safety.read_metadata`, and a load
+planner that reads DCP's non-tensor values with ``weights_only=True`` where
+DCP's own planner unpickles them without restriction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import attrs
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from stratagem.checkpoint.layout import CheckpointError
+from stratagem.checkpoint.safety import refusal
+from stratagem.env import Context
+
+__all__ = ["check_storage", "read", "read_values", "write"]
+
+
+@contextlib.contextmanager
+def _world_of_one(ctx: Context) -> Iterator[None]:
+    with warnings.catch_warnings():
+        if ctx.group is None:
+            # A world of one has no process group by design; DCP warns that it assumes so.
+            warnings.filterwarnings(
+                "ignore", "torch.distributed is disabled, unavailable or uninitialized", UserWarning
+            )
+        yield
+
+
+def _first_cause(error: BaseException) -> BaseException:
+    if isinstance(error, CheckpointException) and error.failures:
+        return sorted(error.failures.items())[0][1][0]
+    return error
+
+
+def _failure(error: BaseException, what: str) -> CheckpointError:
+    cause = _first_cause(error)
+    if isinstance(cause, CheckpointError):
+        return cause  # already says what is wrong
+    return CheckpointError(f"{what} failed ({type(cause).__name__}: {cause}).")
+
+
+def write(directory: Path, state_dict: dict[str, Any], ctx: Context) -> None:
+    """Write ``state_dict`` into ``directory``: each rank its own file, replicated state once.
+
+    Raises:
+        CheckpointError: a rank failed to write (every rank raises it).
+    """
+    writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=True)
+    try:
+        with _world_of_one(ctx):
+            dcp_save(
+                state_dict,
+                storage_writer=writer,
+                process_group=ctx.group,
+                no_dist=ctx.group is None,
+            )
+    except (Exception, CheckpointException) as error:  # DCP's error is a BaseException
+        raise _failure(error, f"save: writing {str(directory)!r}") from None
+
+
+@attrs.frozen
+class _VettedReader:
+    """DCP storage reader: `FileSystemReader`, but serving metadata that was read safely."""
+
+    inner: FileSystemReader
+    metadata: Metadata
+
+    @property
+    def checkpoint_id(self) -> str:
+        return str(self.inner.checkpoint_id)
+
+    def read_metadata(self) -> Metadata:  # no **kwargs: DCP then never looks for per-rank files
+        return self.metadata
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, **kwargs: Any
+    ) -> None:
+        self.inner.set_up_storage_reader(metadata, is_coordinator, **kwargs)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return self.inner.prepare_local_plan(plan)
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return self.inner.prepare_global_plan(plans)
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        return self.inner.read_data(plan, planner)
+
+
+@attrs.frozen
+class _SafePlanner:
+    """DCP load planner: `DefaultLoadPlanner`, but reading non-tensor values ``weights_only``."""
+
+    inner: DefaultLoadPlanner
+
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        metadata: Metadata | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        self.inner.set_up_planner(state_dict, metadata, is_coordinator)
+
+    def create_local_plan(self) -> LoadPlan:
+        return self.inner.create_local_plan()
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        return self.inner.create_global_plan(global_plan)
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        return self.inner.finish_plan(central_plan)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            vetted = torch.load(value, weights_only=True, map_location="cpu")
+        except Exception as error:  # whatever the safe load refuses
+            raise CheckpointError(
+                f"load: the value {fqn!r} in the checkpoint was refused ({refusal(error)})."
+            ) from None
+        # The inner planner knows where the value goes; it unpickles without restriction,
+        # so it gets a re-encoding of the vetted object, not the file's bytes.
+        clean = io.BytesIO()
+        torch.save(vetted, clean)
+        clean.seek(0)
+        self.inner.load_bytes(read_item, clean)
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        return cast(torch.Tensor, self.inner.resolve_tensor(read_item))
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        self.inner.commit_tensor(read_item, tensor)
+
+
+def check_storage(directory: Path, metadata: Metadata, sizes: dict[str, int]) -> None:
+    """Check that every item the metadata points at lies inside a file the manifest lists.
+
+    Raises:
+        CheckpointError: an item points outside the checkpoint or past the end of a file.
+    """
+    for index, info in metadata.storage_data.items():
+        name = getattr(info, "relative_path", None)
+        offset, length = getattr(info, "offset", -1), getattr(info, "length", -1)
+        if not isinstance(index, MetadataIndex) or name not in sizes:
+            raise CheckpointError(
+                f"load: {str(directory)!r} is not a readable checkpoint: its .metadata points "
+                f"at {name!r}, which is not one of its files."
+            )
+        if not (isinstance(offset, int) and isinstance(length, int)) or not (
+            offset >= 0 and length >= 0 and offset + length <= sizes[name]
+        ):
+            raise CheckpointError(
+                f"load: {str(directory)!r} is not a readable checkpoint: {index.fqn!r} lies "
+                f"outside {name} (bytes {offset}..{offset + length} of {sizes[name]})."
+            )
+
+
+def read(
+    directory: Path, metadata: Metadata, state_dict: dict[str, Any], ctx: Context, *, partial: bool
+) -> None:
+    """Fill ``state_dict`` (tensors in place, other values replaced) from ``directory``.
+
+    Raises:
+        CheckpointError: a file could not be read, or a value was refused.
+    """
+    reader = _VettedReader(FileSystemReader(directory), metadata)
+    planner = _SafePlanner(DefaultLoadPlanner(allow_partial_load=partial))
+    try:
+        with _world_of_one(ctx):
+            dcp_load(
+                state_dict,
+                storage_reader=cast(StorageReader, reader),
+                planner=cast(LoadPlanner, planner),
+                process_group=ctx.group,
+                no_dist=ctx.group is None,
+            )
+    except (Exception, CheckpointException) as error:  # DCP's error is a BaseException
+        raise _failure(error, f"load: reading {str(directory)!r}") from None
+
+
+def _insert(tree: dict[str, Any], path: tuple[str, ...], leaf: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+        if not isinstance(tree, dict):
+            raise CheckpointError(
+                f"load: the checkpoint's metadata gives overlapping key paths ({path!r})."
+            )
+    tree[path[-1]] = leaf
+
+
+def _get(tree: dict[str, Any], path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def read_values(
+    directory: Path, metadata: Metadata, blobs: set[tuple[str, ...]], ctx: Context
+) -> dict[tuple[str, ...], Any]:
+    """Read every non-tensor item, and the uint8 tensors at the key paths ``blobs``.
+
+    Keys are read into nested dicts (DCP flattens a list index and a dict key
+    alike), so no live object is needed and none is touched.
+
+    Returns:
+        The values by key path; blobs are returned as tensors, not decoded.
+
+    Raises:
+        CheckpointError: a value was refused, or a file could not be read.
+    """
+    template: dict[str, Any] = {}
+    paths = []
+    for fqn, item in metadata.state_dict_metadata.items():
+        path = tuple(str(p) for p in metadata.planner_data[fqn])
+        if isinstance(item, BytesStorageMetadata):
+            leaf = None
+        elif (
+            path in blobs
+            and isinstance(item, TensorStorageMetadata)
+            and item.properties.dtype == torch.uint8
+            and len(item.size) == 1
+        ):
+            leaf = torch.empty(tuple(item.size), dtype=torch.uint8)
+        else:
+            continue
+        _insert(template, path, leaf)
+        paths.append(path)
+    if paths:
+        read(directory, metadata, template, ctx, partial=False)
+    return {path: _get(template, path) for path in paths}

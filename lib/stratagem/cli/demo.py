@@ -1,0 +1,289 @@
+"""``stratagem demo``: train a classifier with a built-in strategy, optionally against one process.
+
+Every choice on the command line is checked here, before a process starts,
+so that a mistake is one line of error instead of a traceback from a rank.
+The training itself is `stratagem.cli.classifier.train`, plain user code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+import stratagem as sg
+from stratagem.cli import data as datasets
+from stratagem.cli.classifier import Config, Result, train
+from stratagem.cli.progress import table
+from stratagem.combinators.precision import PRECISIONS
+from stratagem.errors import UsageError
+
+__all__ = ["STRATEGIES", "configure", "run"]
+
+STRATEGIES = ("single", "ddp", "fsdp", "dp", "allreduce")
+SPAWNING: dict[str, Callable[[], sg.Strategy]] = {
+    "ddp": sg.ddp_spawn,
+    "fsdp": sg.fsdp_spawn,
+    "allreduce": sg.allreduce_grads_spawn,
+}
+
+
+def positive_int(text: str) -> int:
+    """Parse a positive integer argument (argparse ``type``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text!r})")
+    return value
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the demo's options to its subcommand parser."""
+    parser.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default="ddp",
+        help="single_device(), ddp_spawn(), fsdp_spawn(), dp() or "
+        "allreduce_grads_spawn() (default: ddp)",
+    )
+    parser.add_argument(
+        "--devices",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="ranks to spawn (ddp, fsdp, allreduce; default 2), or GPUs for dp",
+    )
+    parser.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default=None,
+        help="apply with_precision (default: none, float32)",
+    )
+    parser.add_argument("--epochs", type=positive_int, default=10, metavar="N", help="default: 10")
+    parser.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=32,
+        metavar="N",
+        help="samples per rank and step (default: 32)",
+    )
+    parser.add_argument(
+        "--accumulate",
+        type=positive_int,
+        default=1,
+        metavar="K",
+        help="apply accumulate(K): one optimizer step per K micro-batches",
+    )
+    parser.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        default=None,
+        help="save a checkpoint into DIR at the end of every epoch",
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from the checkpoint in --checkpoint DIR"
+    )
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="also train single_device() on the same global batches and "
+        "print the largest parameter difference",
+    )
+    parser.add_argument(
+        "--data",
+        choices=datasets.DATASETS,
+        default="digits",
+        help="digits (scikit-learn's, shipped in its wheel) or synthetic",
+    )
+
+
+def _rank_limit() -> tuple[int, str]:
+    if torch.cuda.is_available():
+        return torch.cuda.device_count(), "one per CUDA device"
+    return os.cpu_count() or 1, "one per CPU core, as this machine has no CUDA device"
+
+
+def _strategy(options: argparse.Namespace, env: sg.Env) -> tuple[sg.Strategy, int]:
+    """Return the strategy the options name and the number of processes to launch on this host."""
+    name, devices = options.strategy, options.devices
+    if env.is_distributed:  # torchrun or SLURM started the processes: run in place in each
+        if name not in SPAWNING:
+            raise UsageError(
+                f"--strategy {name} runs one process, but {env.source} started "
+                f"{env.world_size}; use --strategy ddp, fsdp or allreduce."
+            )
+        if devices not in (None, env.local_world_size):
+            raise UsageError(
+                f"--devices {devices}: {env.source} started {env.local_world_size} process(es) "
+                f"on this node; leave --devices out or pass --devices {env.local_world_size}."
+            )
+        return SPAWNING[name](), env.local_world_size
+    if name in SPAWNING:
+        limit, why = _rank_limit()
+        devices = min(2, limit) if devices is None else devices
+        if devices > limit:
+            raise UsageError(
+                f"--devices {devices}: this machine runs at most {limit} ranks ({why}); "
+                f"pass --devices {limit} or fewer."
+            )
+        return SPAWNING[name](), devices
+    if name == "single":
+        if devices not in (None, 1):
+            raise UsageError(
+                f"--devices {devices}: single_device() trains in one process on one device; "
+                "pass --devices 1, or --strategy ddp to spawn ranks."
+            )
+        return sg.single_device(), 1
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if devices is not None and devices > max(gpus, 1):
+        has = f"it has {gpus} CUDA device(s)" if gpus else "without CUDA it runs on the CPU"
+        raise UsageError(
+            f"--devices {devices}: dp() drives this machine's GPUs from one process, and {has}; "
+            f"pass --devices {max(gpus, 1)} or fewer."
+        )
+    ids = list(range(devices)) if gpus and devices is not None else None
+    return sg.dp(device_ids=ids), 1
+
+
+def _combined(strategy: sg.Strategy, options: argparse.Namespace) -> sg.Strategy:
+    if options.precision is not None:
+        strategy = sg.with_precision(strategy, options.precision)
+    if options.accumulate > 1:
+        strategy = sg.accumulate(strategy, options.accumulate)
+    return strategy
+
+
+def _check_precision(precision: str | None) -> None:
+    """Refuse a precision this machine cannot run, as the ranks' own setup would."""
+    if precision is not None:
+        sg.with_precision(sg.single_device(), precision).setup(sg.Env())  # type: ignore[arg-type]
+
+
+def _describe_checkpoint(path: Path) -> Any:
+    from stratagem import checkpoint
+
+    describe = getattr(checkpoint, "describe", None)
+    if describe is None:
+        raise UsageError(
+            "--resume: this version of stratagem cannot inspect checkpoints yet; "
+            "leave --resume out."
+        )
+    return describe(path)
+
+
+def _check_checkpoint(options: argparse.Namespace) -> str | None:
+    """Refuse a checkpoint directory the run could not use; return a note to show, if any."""
+    from stratagem.checkpoint import CheckpointError
+
+    if options.checkpoint is None:
+        if options.resume:
+            raise UsageError("--resume needs --checkpoint DIR, the directory to resume from.")
+        return None
+    path = Path(options.checkpoint)
+    if not options.resume and (not path.exists() or (path.is_dir() and not any(path.iterdir()))):
+        return None
+    try:
+        saved = _describe_checkpoint(path)
+    except FileNotFoundError:
+        raise UsageError(
+            f"--resume: there is no checkpoint in {str(path)!r}; run once with "
+            f"--checkpoint {path} (without --resume) first."
+        ) from None
+    except CheckpointError as error:
+        raise UsageError(
+            f"--checkpoint {path}: {error} Choose another directory, or remove it."
+        ) from None
+    precision = options.precision or "32-true"
+    for flag, asked in (("data", options.data), ("precision", precision)):
+        used = saved.values.get(flag)
+        if options.resume and used != asked:
+            raise UsageError(
+                f"--resume: the checkpoint in {str(path)!r} was trained with --{flag} {used}, "
+                f"not {asked}; pass --{flag} {used}."
+            )
+    if options.resume:
+        return None
+    return f"note: starting afresh; the checkpoint in {path} will be replaced (--resume continues)"
+
+
+def _row(strategy: sg.Strategy, world: int, precision: str, result: Result) -> dict[str, str]:
+    return {
+        "strategy": strategy.name,
+        "world size": str(world),
+        "precision": precision,
+        "final loss": f"{result.loss:.4f}",
+        "test accuracy": f"{result.accuracy:.1%}",
+        "samples/s": f"{result.samples_per_s:,.0f}" if result.samples_per_s else "-",
+    }
+
+
+def _largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max((a[name] - b[name]).abs().max().item() for name in a)
+
+
+def run(options: argparse.Namespace) -> int:
+    """Run ``stratagem demo`` with parsed ``options``; return the exit code.
+
+    Raises:
+        UsageError: an option this machine or this checkpoint cannot honour.
+        RankError: training failed on a rank.
+    """
+    env = sg.detect_env(os.environ)
+    if options.compare and env.is_distributed:
+        raise UsageError(
+            f"--compare trains single_device() in this process, which {env.source} started as "
+            "one rank of many; run --compare outside torchrun/SLURM."
+        )
+    strategy, devices = _strategy(options, env)
+    strategy = _combined(strategy, options)
+    world = env.world_size if env.is_distributed else devices if options.strategy in SPAWNING else 1
+    precision = options.precision or "32-true"
+    _check_precision(options.precision)
+    note = _check_checkpoint(options)
+    data = datasets.load(options.data)
+    config = Config(
+        epochs=options.epochs,
+        batch_size=options.batch_size,
+        accumulate=options.accumulate,
+        checkpoint=options.checkpoint,
+        resume=options.resume,
+        labels={"precision": precision},
+    )
+    main = env.rank == 0
+    if main:
+        print(
+            f"stratagem demo: {strategy.name} on {world} rank(s), {data.name} "
+            f"({len(data.train_inputs)} train / {len(data.test_inputs)} test samples), "
+            f"{options.epochs} epochs, batch {options.batch_size} per rank",
+            flush=True,
+        )
+        if note:
+            print(note, flush=True)
+    result = sg.launch(train, strategy, devices=devices, args=(data, config))[0]
+    rows = [_row(strategy, world, precision, result)]
+    difference = None
+    if options.compare:
+        print("comparing: single_device() on the same global batches ...", flush=True)
+        reference = _combined(sg.single_device(), options)
+        alone = attrs.evolve(
+            config, batch_size=config.batch_size * world, checkpoint=None, resume=False, shown=False
+        )
+        expected = sg.launch(train, reference, args=(data, alone))[0]
+        rows.append(_row(reference, 1, precision, expected))
+        assert result.parameters is not None  # rank 0's result holds them
+        assert expected.parameters is not None
+        difference = _largest_difference(result.parameters, expected.parameters)
+    if main:
+        print()
+        print(table(rows))
+        if difference is not None:
+            why = "" if precision in ("32-true", "64-true") else f" ({precision} rounds more)"
+            print(f"largest parameter difference vs single_device(): {difference:.3g}{why}")
+    return 0
