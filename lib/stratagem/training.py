@@ -26,15 +26,16 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
     Looks inside tuples (named ones too), lists, dicts and dataclass instances;
     anything else is returned as it is. A tensor already on ``device`` is not copied.
     """
+    # The common cases first, with cheap checks: this runs on every step.
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, Mapping):
-        return type(batch)({k: move_to_device(v, device) for k, v in batch.items()})  # type: ignore[call-arg]
+        return batch if batch.device == device else batch.to(device, non_blocking=True)
     if isinstance(batch, tuple):
         moved = [move_to_device(v, device) for v in batch]
         return type(batch)(*moved) if hasattr(batch, "_fields") else tuple(moved)
     if isinstance(batch, list):
         return [move_to_device(v, device) for v in batch]
+    if isinstance(batch, Mapping):
+        return type(batch)({k: move_to_device(v, device) for k, v in batch.items()})  # type: ignore[call-arg]
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         changes = {
             f.name: move_to_device(getattr(batch, f.name), device)
