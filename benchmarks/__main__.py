@@ -9,7 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks import (
+    allreduce_step,
     checked_cost,
+    compiled_step,
     ddp_step,
     fsdp_step,
     import_time,
@@ -29,6 +31,8 @@ BENCHMARKS: dict[str, Callable[[bool], report.Result]] = {
         overhead_vs_params,
         checked_cost,
         world_examples,
+        allreduce_step,
+        compiled_step,
     )
 }
 RESULTS = Path(__file__).resolve().parent / "results"
