@@ -88,3 +88,13 @@ def test_combinators_on_ddp_obey_every_law(stratagem_world, tmp_path, name):
     if name == "traced":
         fields = {event.field for event in sg.JsonLinesSink(str(tmp_path / "trace.jsonl")).events()}
         assert {"setup", "wrap", "step", "backward", "update", "reduce", "save", "load"} <= fields
+
+
+def test_compiled_obeys_the_training_laws(world_of_one):
+    strategy = sg.compiled(sg.single_device("cpu"))
+    module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    batch = torch.randn(4, 4, generator=torch.Generator().manual_seed(2))
+    laws.check_wrap(strategy, module, batch, world=world_of_one, tolerance=1e-5)
+    laws.check_data_parallel_step(
+        strategy, module, batch, world=world_of_one, steps=2, tolerance=1e-5
+    )

@@ -190,3 +190,29 @@ def test_no_sync_of_single_device_is_a_context_manager():
     assert isinstance(
         strategy.no_sync(torch.nn.Linear(1, 1), ctx), contextlib.AbstractContextManager
     )
+
+
+@pytest.mark.parametrize(
+    ("derived", "base", "fields"),
+    [
+        (
+            lambda: sg.ddp(),
+            lambda: sg.single_device(),
+            {"setup", "wrap", "no_sync", "shard", "teardown"},
+        ),
+        (lambda: sg.ddp_spawn(), lambda: sg.ddp(), {"launch"}),
+        (lambda: sg.fsdp(), lambda: sg.ddp(), {"setup", "wrap", "update", "no_sync"}),
+        (lambda: sg.fsdp_spawn(), lambda: sg.fsdp(), {"launch"}),
+        (lambda: sg.dp(), lambda: sg.single_device("cpu"), {"setup", "wrap"}),
+        (lambda: sg.allreduce_grads(), lambda: sg.ddp(), {"wrap", "update", "no_sync"}),
+    ],
+    ids=["ddp", "ddp_spawn", "fsdp", "fsdp_spawn", "dp", "allreduce_grads"],
+)
+def test_each_built_in_is_its_base_with_the_documented_fields_substituted(derived, base, fields):
+    a, b = derived(), base()
+    changed = {
+        f.name
+        for f in attrs.fields(sg.Strategy)
+        if f.name != "name" and getattr(a, f.name) != getattr(b, f.name)
+    }
+    assert changed == fields

@@ -23,13 +23,13 @@ from torch.distributed import (  # type: ignore[attr-defined]  # exported at run
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import TypedDict, Unpack
 
-from stratagem import checkpoint, collectives, training
+from stratagem import training
 from stratagem.devices import DeviceSpec, check_device_spec, resolve_device
 from stratagem.env import Context, Env
 from stratagem.errors import LaunchError, UsageError, describe
-from stratagem.launchers import in_place
 from stratagem.sharding import shard_loader
 from stratagem.spawn import Spawn
+from stratagem.strategies.single import single_device
 from stratagem.strategy import Strategy
 
 __all__ = [
@@ -241,9 +241,9 @@ def ddp(
     Raises:
         UsageError: an option has the wrong type or value.
     """
-    return Strategy(
+    return attrs.evolve(
+        single_device(),
         name="ddp",
-        launch=in_place,
         setup=JoinProcessGroup(device=check_device_spec(device), backend=backend, timeout=timeout),
         wrap=WrapDDP(
             DDPOptions(
@@ -254,17 +254,8 @@ def ddp(
                 bucket_cap_mb=bucket_cap_mb,
             )
         ),
-        step=training.step,
-        backward=training.backward,
-        update=training.update,
         no_sync=ddp_no_sync,
-        reduce=collectives.reduce,
-        gather=collectives.gather,
-        broadcast=collectives.broadcast,
-        barrier=collectives.barrier,
         shard=shard_loader,
-        save=checkpoint.save,
-        load=checkpoint.load,
         teardown=leave_process_group,
     )
 

@@ -15,11 +15,10 @@ import attrs
 import torch
 from torch.nn.parallel import DataParallel
 
-from stratagem import checkpoint, collectives, training
+from stratagem import training
 from stratagem.env import Context, Env
 from stratagem.errors import LaunchError, UsageError, describe
-from stratagem.launchers import in_place
-from stratagem.strategies.single import keep_loader, leave
+from stratagem.strategies.single import single_device
 from stratagem.strategy import Strategy
 
 __all__ = ["UseDataParallelDevices", "WrapDataParallel", "dp"]
@@ -108,21 +107,10 @@ def dp(*, device_ids: Sequence[int] | None = None) -> Strategy:
         ('DataParallel', torch.Size([3, 1]))
     """
     ids = _device_ids(device_ids)
-    return Strategy(
+    # Replicas' gradients are summed in backward: no_sync has nothing to defer, as on one device.
+    return attrs.evolve(
+        single_device("cpu"),
         name="dp",
-        launch=in_place,
         setup=UseDataParallelDevices(ids),
         wrap=WrapDataParallel(ids),
-        step=training.step,
-        backward=training.backward,
-        update=training.update,
-        no_sync=training.no_sync,  # replicas' gradients are summed in backward: nothing to defer
-        reduce=collectives.reduce,
-        gather=collectives.gather,
-        broadcast=collectives.broadcast,
-        barrier=collectives.barrier,
-        shard=keep_loader,
-        save=checkpoint.save,
-        load=checkpoint.load,
-        teardown=leave,
     )

@@ -23,15 +23,13 @@ import attrs
 import torch
 from typing_extensions import TypedDict, Unpack
 
-from stratagem import checkpoint, collectives, training
-from stratagem.devices import DeviceSpec, check_device_spec
+from stratagem import training
+from stratagem.devices import DeviceSpec
 from stratagem.env import Context, Env
 from stratagem.errors import UsageError, describe
 from stratagem.fields import SetupFn
-from stratagem.launchers import in_place
-from stratagem.sharding import shard_loader
 from stratagem.spawn import Spawn
-from stratagem.strategies.ddp import JoinProcessGroup, leave_process_group
+from stratagem.strategies.ddp import JoinProcessGroup, ddp
 from stratagem.strategies.shard_policies import (
     AboveParameters,
     EveryModuleOf,
@@ -359,30 +357,16 @@ def fsdp(
     Raises:
         UsageError: an option has the wrong type or value.
     """
-    return Strategy(
+    base = ddp(device=device, backend=backend, timeout=timeout)
+    return attrs.evolve(
+        base,
         name="fsdp",
-        launch=in_place,
-        setup=JoinMesh(
-            join=JoinProcessGroup(
-                device=check_device_spec(device), backend=backend, timeout=timeout
-            ),
-            shard_size=shard_size,
-        ),
+        setup=JoinMesh(join=base.setup, shard_size=shard_size),
         wrap=WrapFSDP(
             shard_when=shard_when, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy
         ),
-        step=training.step,
-        backward=training.backward,
         update=fsdp_update,
         no_sync=fsdp_no_sync,
-        reduce=collectives.reduce,
-        gather=collectives.gather,
-        broadcast=collectives.broadcast,
-        barrier=collectives.barrier,
-        shard=shard_loader,
-        save=checkpoint.save,
-        load=checkpoint.load,
-        teardown=leave_process_group,
     )
 
 
