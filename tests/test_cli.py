@@ -227,3 +227,25 @@ def test_ctrl_c_stops_every_rank():
     while _live_members(process.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _live_members(process.pid) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("strategy", "name", "extra"),
+    [
+        ("fsdp", "fsdp_spawn", ("--devices", "2")),
+        ("allreduce", "allreduce_grads_spawn+accumulate2", ("--devices", "2", "--accumulate", "2")),
+        ("dp", "dp", ()),
+    ],
+)
+def test_every_built_in_reaches_the_accuracy_and_matches_one_process(strategy, name, extra):
+    done = stratagem_cli(
+        "demo", "--strategy", strategy, *extra, "--compare", "--epochs", "4", timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    row = table_row(done.stdout, name)
+    assert float(row["test accuracy"].rstrip("%")) >= 85
+    [difference] = re.findall(
+        r"largest parameter difference vs single_device\(\): (\S+)", done.stdout
+    )
+    assert float(difference) < 1e-4

@@ -151,3 +151,46 @@ def test_fifty_launches_leak_nothing():
         and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1] == mine
     ]
     assert leftover == []
+
+
+class FailingOnRankOne:
+    """Stateful object whose state_dict raises on rank 1: a save that fails half way."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def state_dict(self):
+        if self.rank == 1:
+            raise OSError("disk full on rank 1")
+        return {"rank": self.rank}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def save_then_fail(strategy, ctx, path):
+    torch.manual_seed(0)
+    model = strategy.wrap(torch.nn.Linear(3, 2), ctx)
+    strategy.save(path, {"model": model, "step": 1}, ctx)  # the last good checkpoint
+    good = sg.unwrap(model).weight.detach().clone()
+    with torch.no_grad():
+        sg.unwrap(model).weight.add_(1.0)
+    strategy.save(path, {"model": model, "step": 2, "extra": FailingOnRankOne(ctx.rank)}, ctx)
+    return good
+
+
+def test_a_rank_raising_during_a_save_keeps_the_last_good_checkpoint(tmp_path):
+    path = str(tmp_path / "ckpt")
+    start = time.monotonic()
+    with pytest.raises(sg.RankError, match="rank 1 failed: OSError: disk full on rank 1"):
+        sg.launch(
+            save_then_fail, sg.ddp_spawn(start=sg.Spawn(stop_grace=5.0)), devices=2, args=(path,)
+        )
+    assert time.monotonic() - start < 90
+    strategy = sg.single_device("cpu")
+    ctx = strategy.setup(sg.Env())
+    model = torch.nn.Linear(3, 2)
+    values = strategy.load(path, {"model": model}, ctx)
+    assert values == {"step": 1}
+    torch.manual_seed(0)
+    assert torch.equal(model.weight, torch.nn.Linear(3, 2).weight)  # the first save, not the second
