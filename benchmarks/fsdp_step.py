@@ -66,12 +66,13 @@ def on_rank(strategy: sg.StrategyLike, ctx: sg.Context, config: Config) -> dict[
     assert ctx.group is not None
     group, mesh = ctx.group, ctx.extras["mesh"]
     with fixed_threads(THREADS):
-        ours_model, plain_model, control_model = steps.copies(lambda: steps.mlp(*config.widths), 3)
-        model = strategy.wrap(ours_model, ctx)
-        ours = steps.stratagem_step(strategy, ctx, model, steps.sgd(model))
-        plain_fsdp, control_fsdp = (shard_by_hand(m, mesh) for m in (plain_model, control_model))
-        plain = steps.plain_step(plain_fsdp, steps.sgd(plain_fsdp), ctx.device)
-        control = steps.plain_step(control_fsdp, steps.sgd(control_fsdp), ctx.device)
+        # contenders builds the plain copy first, as ddp_step does: build order biases both alike.
+        ours, plain, control = steps.contenders(
+            strategy,
+            ctx,
+            lambda: steps.mlp(*config.widths),
+            wrap_by_hand=lambda module: shard_by_hand(module, mesh),
+        )
         widths = config.widths
         batch = steps.random_batch(config.batch, widths[0], widths[-1], seed=1 + ctx.rank)
         calls = config.steps_per_block

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from stratagem.checkpoint import unwrap
-from stratagem.env import Context, Env
 from stratagem.strategy import StrategyLike
 from stratagem.testing.world import World
 
@@ -105,11 +104,6 @@ def run_on(
         return fresh.run(fn, strategy, *args)
 
 
-def plain_context() -> Context:
-    """Return a CPU world of one, for reference computations in the calling process."""
-    return Context(env=Env(), device=torch.device("cpu"))
-
-
 def fresh_copy(module: torch.nn.Module) -> torch.nn.Module:
     """Return an independent copy, so a law never trains the caller's module."""
     return copy.deepcopy(module)
@@ -137,7 +131,3 @@ def first_mismatch(
 def shares(batch: torch.Tensor, world_size: int) -> list[torch.Tensor]:
     """Split a batch into ``world_size`` equal contiguous parts along the first dimension."""
     return list(batch.chunk(world_size))
-
-
-def named(values: Iterable[str]) -> str:
-    return ", ".join(values)
