@@ -15,6 +15,7 @@ from benchmarks import (
     ddp_step,
     fsdp_step,
     import_time,
+    launch_startup,
     overhead_vs_params,
     report,
     single_step,
@@ -33,6 +34,7 @@ BENCHMARKS: dict[str, Callable[[bool], report.Result]] = {
         world_examples,
         allreduce_step,
         compiled_step,
+        launch_startup,
     )
 }
 RESULTS = Path(__file__).resolve().parent / "results"

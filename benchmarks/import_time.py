@@ -1,11 +1,12 @@
 """import_time: ``import stratagem`` vs ``import torch``, each in a fresh interpreter.
 
-stratagem imports torch, so the difference is what stratagem adds on top of
-it. Each probe times its imports inside the child (interpreter start-up is
-not counted), and the two probes alternate so that disk caches and machine
-load affect both alike. The torch import varies by tens of milliseconds
-from one process to the next, so the stratagem probe also times its own
-part alone: ``import torch`` first, then ``import stratagem`` (and attrs).
+Each probe times its imports inside the child (interpreter start-up is not
+counted), and the two probes alternate so that disk caches and machine load
+affect both alike. The torch import varies by tens of milliseconds from one
+process to the next, so the stratagem probe also times its own parts alone,
+after ``import torch``: the import itself, then the first use of
+``single_device`` (which loads the modules a strategy needs, attrs among them,
+since the package's re-exports are lazy), then every other public name.
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ DESCRIPTION = "import stratagem vs import torch, in fresh subprocesses (python -
 TORCH = "import time; t = time.perf_counter(); import torch; print(time.perf_counter() - t)"
 STRATAGEM = (
     "import time; t = time.perf_counter(); import torch; u = time.perf_counter(); "
-    "import stratagem; print(u - t, time.perf_counter() - u)"
+    "import stratagem; v = time.perf_counter(); stratagem.single_device; "
+    "w = time.perf_counter(); [getattr(stratagem, n) for n in stratagem.__all__]; "
+    "x = time.perf_counter(); print(u - t, v - u, w - v, x - w)"
 )
+PARTS = ("import stratagem", "first use: stratagem.single_device", "every other public name")
 
 
 def probe(code: str, environ: dict[str, str]) -> list[float]:
@@ -43,26 +47,32 @@ def run(quick: bool = False) -> Result:
     where = str(Path(stratagem.__file__).resolve().parent.parent)
     path = os.pathsep.join(filter(None, [where, os.environ.get("PYTHONPATH")]))
     environ = {**os.environ, "PYTHONPATH": path}
-    own: list[float] = []
+    parts: list[list[float]] = []
 
     def with_stratagem() -> float:
-        torch_part, stratagem_part = probe(STRATAGEM, environ)
-        own.append(stratagem_part)
-        return torch_part + stratagem_part
+        torch_part, *own = probe(STRATAGEM, environ)
+        parts.append(own)
+        return torch_part + own[0]
 
     ours, torch_only = interleave(
         with_stratagem, lambda: probe(TORCH, environ)[0], rounds=rounds, warmup=1
     )
-    own = own[-rounds:]  # drop the warm-up
-    alone = Stats.of(own)
-    notes = (
-        f"stratagem's own part, after torch: {seconds(alone.median)} "
-        f"({seconds(alone.q1)} .. {seconds(alone.q3)})"
+    by_part = [Stats.of(column) for column in zip(*parts[-rounds:], strict=True)]  # no warm-up
+    notes = "; ".join(
+        f"{name}: {seconds(stats.median)} ({seconds(stats.q1)} .. {seconds(stats.q3)})"
+        for name, stats in zip(PARTS, by_part, strict=True)
     )
     return Result(
         benchmark=NAME,
         description=DESCRIPTION,
-        config={"rounds": rounds, "python": sys.executable, "own_part": dataclasses.asdict(alone)},
+        config={
+            "rounds": rounds,
+            "python": sys.executable,
+            "own_part": dataclasses.asdict(by_part[0]),
+            "parts_after_torch": {
+                name: dataclasses.asdict(stats) for name, stats in zip(PARTS, by_part, strict=True)
+            },
+        },
         cases=[compare("import stratagem vs import torch", "s", ours, torch_only, notes=notes)],
         quick=quick,
     )

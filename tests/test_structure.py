@@ -9,6 +9,8 @@ import sys
 import types
 from pathlib import Path
 
+import pytest
+
 import stratagem
 
 LIB = Path(stratagem.__file__).parent
@@ -48,8 +50,9 @@ def test_the_walk_would_catch_a_subclass(tmp_path):
 
 
 def test_import_pulls_in_neither_hypothesis_nor_pytest():
+    # Every public name is touched, so the lazy re-exports load every module they name.
     code = (
-        "import sys, json, stratagem; "
+        "import sys, json, stratagem; [getattr(stratagem, n) for n in stratagem.__all__]; "
         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
         "('hypothesis', 'pytest', '_pytest', 'torch._dynamo', 'numpy.testing'))))"
     )
@@ -57,14 +60,41 @@ def test_import_pulls_in_neither_hypothesis_nor_pytest():
     assert json.loads(out.stdout) == []
 
 
+def test_import_alone_loads_no_submodule():
+    code = "import sys, json, stratagem; print(json.dumps(sorted(m for m in sys.modules if m.startswith('stratagem.'))))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == []
+
+
+def test_lazy_exports_agree_with_the_imports_type_checkers_read():
+    tree = ast.parse((LIB / "__init__.py").read_text())
+    [guard] = [n for n in tree.body if isinstance(n, ast.If)]
+    typed = {
+        alias.asname: node.module
+        for node in guard.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert typed == stratagem._WHERE
+    assert sorted(stratagem.__all__) == sorted(typed)
+
+
 def test_package_is_typed():
     assert (LIB / "py.typed").exists()
 
 
 def test_public_names_are_all_exported():
+    for name in stratagem.__all__:
+        assert getattr(stratagem, name) is not None
+        assert name in dir(stratagem)
     public = {
         name
         for name, value in vars(stratagem).items()
         if not name.startswith("_") and not isinstance(value, types.ModuleType)
     }
     assert set(stratagem.__all__) == public
+
+
+def test_an_unknown_name_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="no_such_strategy"):
+        stratagem.no_such_strategy  # noqa: B018

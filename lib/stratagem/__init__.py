@@ -1,53 +1,114 @@
 """stratagem: PyTorch training strategies as frozen records of plain functions.
 
 The public surface; everything here is re-exported from a private module.
+
+The re-exports are lazy (PEP 562): ``import stratagem`` loads no submodule,
+and the first use of a name loads the module that defines it. A training
+script pays for what it uses, and ``python -m stratagem --help`` or a rank that
+only needs ``launch`` start fast. Type checkers read the imports below.
 """
 
-from stratagem.checkpoint import CheckpointError as CheckpointError
-from stratagem.checkpoint import unwrap as unwrap
-from stratagem.combinators import CollectiveMismatchError as CollectiveMismatchError
-from stratagem.combinators import CombinatorError as CombinatorError
-from stratagem.combinators import JsonLinesSink as JsonLinesSink
-from stratagem.combinators import ListSink as ListSink
-from stratagem.combinators import TraceEvent as TraceEvent
-from stratagem.combinators import accumulate as accumulate
-from stratagem.combinators import checked as checked
-from stratagem.combinators import compiled as compiled
-from stratagem.combinators import traced as traced
-from stratagem.combinators import with_clipping as with_clipping
-from stratagem.combinators import with_precision as with_precision
-from stratagem.devices import DeviceSpec as DeviceSpec
-from stratagem.env import Context as Context
-from stratagem.env import Env as Env
-from stratagem.env import detect_env as detect_env
-from stratagem.errors import EnvError as EnvError
-from stratagem.errors import LaunchError as LaunchError
-from stratagem.errors import RankError as RankError
-from stratagem.errors import StratagemError as StratagemError
-from stratagem.errors import StrategyFieldError as StrategyFieldError
-from stratagem.errors import UsageError as UsageError
-from stratagem.fields import ReduceOp as ReduceOp
-from stratagem.launchers import launch as launch
-from stratagem.sharding import ShardedLoader as ShardedLoader
-from stratagem.sharding import ShardSampler as ShardSampler
-from stratagem.spawn import Spawn as Spawn
-from stratagem.strategies.allreduce import allreduce_grads as allreduce_grads
-from stratagem.strategies.allreduce import allreduce_grads_spawn as allreduce_grads_spawn
-from stratagem.strategies.allreduce import broadcast_optimizer_state as broadcast_optimizer_state
-from stratagem.strategies.ddp import ddp as ddp
-from stratagem.strategies.ddp import ddp_spawn as ddp_spawn
-from stratagem.strategies.dp import dp as dp
-from stratagem.strategies.fsdp import above_parameters as above_parameters
-from stratagem.strategies.fsdp import clip_grad_norm as clip_grad_norm
-from stratagem.strategies.fsdp import every_module_of as every_module_of
-from stratagem.strategies.fsdp import fsdp as fsdp
-from stratagem.strategies.fsdp import fsdp_spawn as fsdp_spawn
-from stratagem.strategies.single import single_device as single_device
-from stratagem.strategy import Strategy as Strategy
-from stratagem.strategy import StrategyLike as StrategyLike
-from stratagem.training import move_to_device as move_to_device
+from __future__ import annotations as _annotations
+
+import importlib as _importlib
+import typing as _typing
+
+if _typing.TYPE_CHECKING:
+    from stratagem.checkpoint.entries import unwrap as unwrap
+    from stratagem.checkpoint.layout import CheckpointError as CheckpointError
+    from stratagem.combinators._base import CombinatorError as CombinatorError
+    from stratagem.combinators.accumulation import accumulate as accumulate
+    from stratagem.combinators.checked import CollectiveMismatchError as CollectiveMismatchError
+    from stratagem.combinators.checked import checked as checked
+    from stratagem.combinators.clipping import with_clipping as with_clipping
+    from stratagem.combinators.compiled import compiled as compiled
+    from stratagem.combinators.precision import with_precision as with_precision
+    from stratagem.combinators.tracing import JsonLinesSink as JsonLinesSink
+    from stratagem.combinators.tracing import ListSink as ListSink
+    from stratagem.combinators.tracing import TraceEvent as TraceEvent
+    from stratagem.combinators.tracing import traced as traced
+    from stratagem.devices import DeviceSpec as DeviceSpec
+    from stratagem.env import Context as Context
+    from stratagem.env import Env as Env
+    from stratagem.env import detect_env as detect_env
+    from stratagem.errors import EnvError as EnvError
+    from stratagem.errors import LaunchError as LaunchError
+    from stratagem.errors import RankError as RankError
+    from stratagem.errors import StratagemError as StratagemError
+    from stratagem.errors import StrategyFieldError as StrategyFieldError
+    from stratagem.errors import UsageError as UsageError
+    from stratagem.fields import ReduceOp as ReduceOp
+    from stratagem.launchers import launch as launch
+    from stratagem.sharding import ShardedLoader as ShardedLoader
+    from stratagem.sharding import ShardSampler as ShardSampler
+    from stratagem.spawn import Spawn as Spawn
+    from stratagem.strategies.allreduce import allreduce_grads as allreduce_grads
+    from stratagem.strategies.allreduce import allreduce_grads_spawn as allreduce_grads_spawn
+    from stratagem.strategies.allreduce import (
+        broadcast_optimizer_state as broadcast_optimizer_state,
+    )
+    from stratagem.strategies.ddp import ddp as ddp
+    from stratagem.strategies.ddp import ddp_spawn as ddp_spawn
+    from stratagem.strategies.dp import dp as dp
+    from stratagem.strategies.fsdp import clip_grad_norm as clip_grad_norm
+    from stratagem.strategies.fsdp import fsdp as fsdp
+    from stratagem.strategies.fsdp import fsdp_spawn as fsdp_spawn
+    from stratagem.strategies.shard_policies import above_parameters as above_parameters
+    from stratagem.strategies.shard_policies import every_module_of as every_module_of
+    from stratagem.strategies.single import single_device as single_device
+    from stratagem.strategy import Strategy as Strategy
+    from stratagem.strategy import StrategyLike as StrategyLike
+    from stratagem.training import move_to_device as move_to_device
 
 __version__ = "0.1.0"
+
+# Where each public name lives; the TYPE_CHECKING imports above must agree
+# (tests/test_structure.py checks).
+_WHERE: dict[str, str] = {
+    "CheckpointError": "stratagem.checkpoint.layout",
+    "unwrap": "stratagem.checkpoint.entries",
+    "CollectiveMismatchError": "stratagem.combinators.checked",
+    "CombinatorError": "stratagem.combinators._base",
+    "JsonLinesSink": "stratagem.combinators.tracing",
+    "ListSink": "stratagem.combinators.tracing",
+    "TraceEvent": "stratagem.combinators.tracing",
+    "accumulate": "stratagem.combinators.accumulation",
+    "checked": "stratagem.combinators.checked",
+    "compiled": "stratagem.combinators.compiled",
+    "traced": "stratagem.combinators.tracing",
+    "with_clipping": "stratagem.combinators.clipping",
+    "with_precision": "stratagem.combinators.precision",
+    "DeviceSpec": "stratagem.devices",
+    "Context": "stratagem.env",
+    "Env": "stratagem.env",
+    "detect_env": "stratagem.env",
+    "EnvError": "stratagem.errors",
+    "LaunchError": "stratagem.errors",
+    "RankError": "stratagem.errors",
+    "StratagemError": "stratagem.errors",
+    "StrategyFieldError": "stratagem.errors",
+    "UsageError": "stratagem.errors",
+    "ReduceOp": "stratagem.fields",
+    "launch": "stratagem.launchers",
+    "ShardedLoader": "stratagem.sharding",
+    "ShardSampler": "stratagem.sharding",
+    "Spawn": "stratagem.spawn",
+    "allreduce_grads": "stratagem.strategies.allreduce",
+    "allreduce_grads_spawn": "stratagem.strategies.allreduce",
+    "broadcast_optimizer_state": "stratagem.strategies.allreduce",
+    "ddp": "stratagem.strategies.ddp",
+    "ddp_spawn": "stratagem.strategies.ddp",
+    "dp": "stratagem.strategies.dp",
+    "above_parameters": "stratagem.strategies.shard_policies",
+    "clip_grad_norm": "stratagem.strategies.fsdp",
+    "every_module_of": "stratagem.strategies.shard_policies",
+    "fsdp": "stratagem.strategies.fsdp",
+    "fsdp_spawn": "stratagem.strategies.fsdp",
+    "single_device": "stratagem.strategies.single",
+    "Strategy": "stratagem.strategy",
+    "StrategyLike": "stratagem.strategy",
+    "move_to_device": "stratagem.training",
+}
 
 __all__ = [
     "CheckpointError",
@@ -94,3 +155,16 @@ __all__ = [
     "with_clipping",
     "with_precision",
 ]
+
+
+def __getattr__(name: str) -> _typing.Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'stratagem' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value  # the next lookup is a plain module attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
