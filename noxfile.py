@@ -1,6 +1,15 @@
-"""Tasks: tests, lint, typecheck, demo, bench. Every session pins torch to the CPU wheel."""
+"""Tasks: tests, lint, typecheck, demo, bench, bench_peers, readme, docs.
+
+Every session that installs torch pins it to the CPU wheel (see `install`).
+"""
 
 from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
 
 import nox
 
@@ -33,7 +42,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def typecheck(session: nox.Session) -> None:
-    install(session, "testing")
+    install(session, "testing", "plot")  # plot: matplotlib's own types check stratagem.cli.plot
     session.install("mypy")
     session.run("mypy")
 
@@ -50,3 +59,79 @@ def demo(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     install(session)
     session.run("python", "-m", "benchmarks", *session.posargs)
+
+
+def readme_commands(readme: Path) -> dict[str, str]:
+    """Return the first two commands of README's first code block, by the nox session they run."""
+    block = re.search(r"^```[^\n]*\n(.*?)^```", readme.read_text(), flags=re.S | re.M)
+    lines = [line.strip() for line in block.group(1).splitlines() if line.strip()] if block else []
+    commands = {}
+    for line in lines[:2]:
+        named = re.search(r"\bnox -s (\S+)", line)
+        commands[named.group(1) if named else line] = line
+    return commands
+
+
+@nox.session(venv_backend="none")  # the session makes its own venv: that is what it checks
+def readme(session: nox.Session) -> None:
+    """Run README's first two commands in a clone of HEAD, in a fresh venv (`-- demo`: one)."""
+    here = Path(__file__).resolve().parent
+    head = subprocess.run(
+        ["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    if subprocess.run(
+        ["git", "-C", str(here), "status", "--porcelain"], capture_output=True
+    ).stdout:
+        session.warn("the working tree has uncommitted changes; the clone holds HEAD only")
+    with tempfile.TemporaryDirectory(prefix="stratagem-readme-") as scratch:
+        clone, venv = Path(scratch) / "stratagem", Path(scratch) / "venv"
+        session.run(
+            "git", "clone", "--quiet", "--no-checkout", str(here), str(clone), external=True
+        )
+        session.run("git", "-C", str(clone), "checkout", "--quiet", "--detach", head, external=True)
+        # The clone's README, exactly as a reader of this commit sees it.
+        commands = readme_commands(clone / "README.md")
+        if len(commands) != 2:
+            session.error(f"README.md's first code block should hold two commands: {commands}")
+        unknown = set(session.posargs) - set(commands)
+        if unknown:
+            session.error(f"no README command runs nox -s {', '.join(sorted(unknown))}")
+        session.run(f"python{PYTHON}", "-m", "venv", str(venv), external=True)
+        # The fresh venv alone: nothing from this shell's venv or PYTHONPATH leaks in.
+        env = {
+            "PATH": os.pathsep.join([str(venv / "bin"), os.environ.get("PATH", "")]),
+            "VIRTUAL_ENV": str(venv),
+            "PYTHONPATH": None,
+            "NOX_CURRENT_SESSION": None,
+        }
+        with session.chdir(clone):
+            for name, command in commands.items():
+                if not session.posargs or name in session.posargs:
+                    session.run("sh", "-c", command, env=env, external=True)
+
+
+@nox.session(python=PYTHON)
+def docs(session: nox.Session) -> None:
+    """Build the site (README + docs/) into site/; --strict turns a broken link into a failure."""
+    session.install("mkdocs>=1.6,<2")  # 1.6: File.generated, used by mkdocs_hooks.py
+    session.run("mkdocs", "build", "--strict", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def bench_peers(session: nox.Session) -> None:
+    """The single-device and 2-rank DDP steps through Lightning Fabric and Accelerate too.
+
+    The peers are installed here only: never a dependency of stratagem or its tests.
+    """
+    install(session)
+    session.install("lightning-fabric", "accelerate", *CONSTRAINTS)
+    session.run("python", "-m", "benchmarks.peers", *session.posargs)
+    session.run(
+        "torchrun",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "benchmarks.peers",
+        *session.posargs,
+    )

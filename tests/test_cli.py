@@ -140,6 +140,8 @@ def test_a_command_line_error_is_one_line_and_exit_2():
         (["demo", "--strategy", "dp", "--devices", "64"], "--devices 64"),
         (["demo", "--precision", "8-true"], "invalid choice: '8-true'"),
         (["demo", "--resume"], "--resume needs --checkpoint DIR"),
+        (["demo", "--plot", "loss.pdf"], "--plot loss.pdf: the plot is a PNG"),
+        (["demo", "--plot", "no-such-dir/loss.png"], "there is no directory 'no-such-dir'"),
         (["demo", "--unknown"], "unrecognized arguments: --unknown"),
         (["checkpoint"], "required: PATH"),
         ([], "required: COMMAND"),
@@ -174,6 +176,75 @@ def test_digits_without_scikit_learn_names_the_fix(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "sklearn.datasets", None)  # an import of it now fails
     assert main(["demo", "--strategy", "single", "--data", "digits"]) == 2
     assert "pip install 'stratagem[demo]'" in capsys.readouterr().err
+
+
+WITHOUT_MATPLOTLIB = (
+    "import runpy, sys; sys.modules['matplotlib'] = None; "  # an import of it now fails
+    "runpy.run_module('stratagem', run_name='__main__', alter_sys=True)"
+)
+
+
+def test_plot_without_matplotlib_names_the_fix_before_training(tmp_path):
+    path = tmp_path / "loss.png"
+    done = subprocess.run(
+        [sys.executable, "-W", "error", "-c", WITHOUT_MATPLOTLIB, "demo", "--plot", str(path)],
+        env=command_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert_one_line_error(done, "--plot needs matplotlib", "pip install 'stratagem[plot]'")
+    assert done.stdout == ""  # no rank started
+    assert not path.exists()
+
+
+@pytest.mark.slow
+def test_the_loss_curve_reaches_the_launcher_averaged_over_ranks():
+    from stratagem.cli.classifier import Config, train
+    from stratagem.cli.data import load
+
+    data, threads = load("synthetic"), torch.get_num_threads()
+    try:
+        ranks = stratagem.launch(
+            train, stratagem.ddp_spawn(), devices=2, args=(data, Config(2, 128, shown=False))
+        )
+        # train() sets one thread for the ranks it runs on; here that is this process.
+        [alone] = stratagem.launch(
+            train, stratagem.single_device(), args=(data, Config(2, 256, shown=False))
+        )
+    finally:
+        torch.set_num_threads(threads)
+    steps = 1639 // 256
+    epochs, losses = zip(*ranks[0].curve, strict=True)
+    assert epochs == pytest.approx([(i + 1) / steps for i in range(2 * steps)])
+    assert sum(losses[steps:]) / steps == pytest.approx(ranks[0].loss, rel=1e-6)
+    assert ranks[1].curve == ranks[0].curve  # every rank holds the reduced values
+    # The mean over two half batches is the loss of the whole batch in one process.
+    assert losses == pytest.approx([loss for _, loss in alone.curve], rel=1e-4)
+
+
+def _has_colour(image, rgb: str) -> bool:
+    wanted = torch.tensor([int(rgb[i : i + 2], 16) / 255 for i in (1, 3, 5)])
+    pixels = torch.as_tensor(image[..., :3].copy()).reshape(-1, 3)
+    return bool(((pixels - wanted).abs().max(dim=1).values < 0.05).any())
+
+
+@pytest.mark.slow
+def test_plot_draws_the_loss_curves_of_both_runs_into_a_png(tmp_path):
+    from matplotlib.image import imread
+
+    path = tmp_path / "loss.png"
+    done = stratagem_cli(
+        "demo", "--devices", "2", "--data", "synthetic", "--epochs", "2", "--compare",
+        "--plot", str(path), timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.rstrip().endswith(f"loss curves: {path}")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    image = imread(path)
+    assert image.shape == (400, 700, 4)  # figsize 7 x 4 inches at 100 dpi, RGBA
+    # The first two colours of matplotlib's cycle: the ddp_spawn curve and the single_device one.
+    assert _has_colour(image, "#1f77b4") and _has_colour(image, "#ff7f0e")
 
 
 def test_compare_inside_torchrun_is_refused(monkeypatch, capsys):

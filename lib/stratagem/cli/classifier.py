@@ -50,11 +50,21 @@ class Config:
 
 @attrs.frozen
 class Result:
-    """What a run ends with (``parameters`` on rank 0 only: the full, unsharded values)."""
+    """What a run ends with.
+
+    Attributes:
+        loss: the last epoch's mean loss, over its steps and over the ranks.
+        accuracy: the test accuracy at the end.
+        samples_per_s: training throughput over all ranks.
+        curve: ``(epoch, loss)`` for every step trained in this run, the loss a mean over
+            the ranks; ``epoch`` counts fractions (1.5 is halfway through the second epoch).
+        parameters: the full, unsharded values (rank 0 only).
+    """
 
     loss: float
     accuracy: float
     samples_per_s: float
+    curve: tuple[tuple[float, float], ...]
     parameters: dict[str, torch.Tensor] | None
 
 
@@ -128,7 +138,7 @@ def train(strategy: sg.StrategyLike, ctx: sg.Context, data: Data, config: Config
                 else f"; nothing left to train for --epochs {config.epochs}"
             )
             print(f"resumed from {config.checkpoint} at epoch {first}{left}", flush=True)
-    seen, elapsed = 0, 0.0
+    seen, elapsed, curve = 0, 0.0, list[tuple[float, float]]()
     for epoch in range(first, config.epochs):
         loader = strategy.shard(epoch_loader(data, epoch, config.batch_size), ctx)
         # Whole accumulation windows only: no gradients are left half-summed at a checkpoint.
@@ -136,16 +146,21 @@ def train(strategy: sg.StrategyLike, ctx: sg.Context, data: Data, config: Config
         total = steps * config.batch_size * ctx.world_size
         label = f"epoch {epoch + 1:>{len(str(config.epochs))}}/{config.epochs}"
         progress = Progress(label, total, ctx.is_main and config.shown)
-        start, losses = time.perf_counter(), torch.zeros(())
+        start, losses = time.perf_counter(), list[float]()
         for batch in itertools.islice(loader, steps):
             step_loss = strategy.step(model, batch, ctx, forward=cross_entropy)
             strategy.backward(step_loss, model, ctx)
             strategy.update(optimizer, model, ctx)
-            losses += step_loss.detach().float().cpu()
-            progress.advance(config.batch_size * ctx.world_size, step_loss.item())
+            losses.append(step_loss.item())
+            progress.advance(config.batch_size * ctx.world_size, losses[-1])
         elapsed += time.perf_counter() - start
         seen += total
-        loss = strategy.reduce(losses / max(steps, 1), "mean", ctx).item()
+        # One collective per epoch, as for a scalar: every step's loss, averaged over the ranks.
+        means = strategy.reduce(torch.tensor(losses or [0.0]), "mean", ctx)
+        loss = means.mean().item()
+        curve += [
+            (epoch + (i + 1) / steps, value) for i, value in enumerate(means[:steps].tolist())
+        ]
         progress.close(loss)
         if config.checkpoint is not None:
             values = {"epoch": epoch + 1, "loss": loss, "data": data.name, **config.labels}
@@ -156,5 +171,6 @@ def train(strategy: sg.StrategyLike, ctx: sg.Context, data: Data, config: Config
         loss=loss,
         accuracy=score,
         samples_per_s=seen / elapsed if elapsed else 0.0,
+        curve=tuple(curve),
         parameters=parameters if ctx.is_main else None,
     )

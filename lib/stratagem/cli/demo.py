@@ -18,6 +18,7 @@ import torch
 
 import stratagem as sg
 from stratagem.cli import data as datasets
+from stratagem.cli import plot
 from stratagem.cli.classifier import Config, Result, train
 from stratagem.cli.progress import table
 from stratagem.combinators.precision import PRECISIONS
@@ -101,6 +102,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         choices=datasets.DATASETS,
         default="digits",
         help="digits (scikit-learn's, shipped in its wheel) or synthetic",
+    )
+    parser.add_argument(
+        "--plot",
+        metavar="PATH.png",
+        default=None,
+        help="write the loss curves of the run (and of --compare's) to a PNG (needs matplotlib)",
     )
 
 
@@ -247,6 +254,7 @@ def run(options: argparse.Namespace) -> int:
     precision = options.precision or "32-true"
     _check_precision(options.precision)
     note = _check_checkpoint(options)
+    plot_path = None if options.plot is None else plot.check(options.plot)
     data = datasets.load(options.data)
     config = Config(
         epochs=options.epochs,
@@ -268,6 +276,7 @@ def run(options: argparse.Namespace) -> int:
             print(note, flush=True)
     result = sg.launch(train, strategy, devices=devices, args=(data, config))[0]
     rows = [_row(strategy, world, precision, result)]
+    curves = {f"{strategy.name} ({world} rank{'s' if world > 1 else ''})": result.curve}
     difference = None
     if options.compare:
         print("comparing: single_device() on the same global batches ...", flush=True)
@@ -277,6 +286,7 @@ def run(options: argparse.Namespace) -> int:
         )
         expected = sg.launch(train, reference, args=(data, alone))[0]
         rows.append(_row(reference, 1, precision, expected))
+        curves[f"{reference.name} (same global batches)"] = expected.curve
         assert result.parameters is not None  # rank 0's result holds them
         assert expected.parameters is not None
         difference = _largest_difference(result.parameters, expected.parameters)
@@ -286,4 +296,8 @@ def run(options: argparse.Namespace) -> int:
         if difference is not None:
             why = "" if precision in ("32-true", "64-true") else f" ({precision} rounds more)"
             print(f"largest parameter difference vs single_device(): {difference:.3g}{why}")
+        if plot_path is not None:
+            title = f"stratagem demo: {data.name}, batch {options.batch_size} per rank, {precision}"
+            plot.write(plot_path, curves, title)
+            print(f"loss curves: {plot_path}")
     return 0
