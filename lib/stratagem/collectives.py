@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stratagem.env import Context
+from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
 from stratagem.fields import REDUCE_OPS, ReduceOp
 
@@ -60,7 +60,7 @@ def _check_tensor(tensor: object, function: str) -> torch.Tensor:
 
 
 def _check_op(op: object) -> ReduceOp:
-    if op not in REDUCE_OPS:
+    if not isinstance(op, str) or op not in REDUCE_OPS:
         raise UsageError(
             f"reduce: 'op' must be one of {', '.join(map(repr, REDUCE_OPS))} (got {describe(op)})."
         )
@@ -83,10 +83,11 @@ def reduce(tensor: torch.Tensor, op: ReduceOp, ctx: Context) -> torch.Tensor:
         A new tensor; ``tensor`` itself is never modified.
 
     Raises:
-        UsageError: ``op`` is unknown, ``tensor`` is not a tensor, or ``op`` is
-            ``"mean"`` on an integer or boolean tensor (cast it to a floating
-            dtype first, or reduce with ``"sum"`` and divide yourself), or the
-            dtype is complex or boolean (not supported by every backend).
+        UsageError: ``op`` is unknown, ``tensor`` is not a tensor, ``ctx`` is not
+            a `Context`, or ``op`` is ``"mean"`` on an integer or boolean tensor
+            (cast it to a floating dtype first, or reduce with ``"sum"`` and
+            divide yourself), or the dtype is complex or boolean (not supported
+            by every backend).
 
     Example:
         >>> import torch, stratagem as sg
@@ -96,6 +97,7 @@ def reduce(tensor: torch.Tensor, op: ReduceOp, ctx: Context) -> torch.Tensor:
     """
     tensor = _check_tensor(tensor, "reduce")
     op = _check_op(op)
+    check_context(ctx, "reduce")
     if tensor.dtype == torch.bool or tensor.is_complex():
         raise UsageError(
             f"reduce: dtype {tensor.dtype} is not supported; convert to an integer or "
@@ -136,10 +138,12 @@ def gather(tensor: torch.Tensor, ctx: Context) -> torch.Tensor:
         A tensor of shape ``(world_size, *tensor.shape)``; row ``r`` is rank ``r``'s.
 
     Raises:
-        UsageError: ``tensor`` is not a tensor, or ranks disagree on shape or
-            dtype (the message lists each rank's shape and dtype).
+        UsageError: ``tensor`` is not a tensor, ``ctx`` is not a `Context`, or
+            ranks disagree on shape or dtype (the message lists each rank's
+            shape and dtype).
     """
     tensor = _check_tensor(tensor, "gather")
+    check_context(ctx, "gather")
     if not _distributed(ctx):
         return tensor.unsqueeze(0).clone()
     if tensor.dtype not in _DTYPES:
@@ -176,8 +180,9 @@ def broadcast(obj: Any, ctx: Context, *, src: int = 0) -> Any:
     returned as a copy, so the result never aliases the input.
 
     Raises:
-        UsageError: ``src`` is not a rank of this world.
+        UsageError: ``src`` is not a rank of this world, or ``ctx`` not a `Context`.
     """
+    check_context(ctx, "broadcast")
     if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < ctx.world_size:
         raise UsageError(
             f"broadcast: 'src' must be a rank in [0, {ctx.world_size}) (got {describe(src)})."
@@ -202,6 +207,10 @@ def broadcast(obj: Any, ctx: Context, *, src: int = 0) -> Any:
 
 
 def barrier(ctx: Context) -> None:
-    """Return once every rank has called it (immediately on a world of one)."""
-    if _distributed(ctx):
+    """Return once every rank has called it (immediately on a world of one).
+
+    Raises:
+        UsageError: ``ctx`` is not a `Context`.
+    """
+    if _distributed(check_context(ctx, "barrier")):
         dist.barrier(group=ctx.group)

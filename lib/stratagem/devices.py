@@ -18,7 +18,8 @@ def check_device_spec(device: object, argument: str = "device") -> DeviceSpec:
     Raises:
         UsageError: ``device`` is neither ``"auto"``, a device string, nor a ``torch.device``.
     """
-    if isinstance(device, torch.device) or device == "auto":
+    # isinstance first: an array compared with a str is an array, whose truth value raises.
+    if isinstance(device, torch.device) or (isinstance(device, str) and device == "auto"):
         return device
     if isinstance(device, str):
         try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import attrs
 import torch
@@ -17,9 +17,10 @@ import torch.distributed as dist
 
 from stratagem.errors import EnvError, UsageError, describe
 
-__all__ = ["Context", "Env", "EnvSource", "detect_env"]
+__all__ = ["Context", "Env", "EnvSource", "check_context", "check_env", "detect_env"]
 
 EnvSource = Literal["single", "torchrun", "slurm", "spawn"]
+_SOURCES: tuple[str, ...] = get_args(EnvSource)
 
 # SLURM job names that mean "an interactive shell", where the user starts processes by hand.
 _INTERACTIVE_JOB_NAMES = frozenset({"bash", "sh", "zsh", "interactive"})
@@ -36,6 +37,25 @@ def _non_negative(instance: object, attribute: attrs.Attribute[int], value: int)
 def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise EnvError(f"Env.{attribute.name} must be a positive int (got {describe(value)}).")
+
+
+def _address(instance: object, attribute: attrs.Attribute[str], value: object) -> None:
+    if not isinstance(value, str) or not value:
+        raise EnvError(
+            f"Env.master_addr must be a non-empty host name or address (got {describe(value)})."
+        )
+
+
+def _source(instance: object, attribute: attrs.Attribute[str], value: object) -> None:
+    if not isinstance(value, str) or value not in _SOURCES:
+        raise EnvError(
+            f"Env.source must be one of {', '.join(map(repr, _SOURCES))} (got {describe(value)})."
+        )
+
+
+def _bool(instance: object, attribute: attrs.Attribute[bool], value: object) -> None:
+    if not isinstance(value, bool):
+        raise EnvError(f"Env.{attribute.name} must be True or False (got {describe(value)}).")
 
 
 @attrs.frozen(kw_only=True)
@@ -55,6 +75,10 @@ class Env:
         agent_store: whether a launcher agent (torchrun, or stratagem's spawn
             parent) already hosts the store at ``master_addr:master_port``, so
             every rank connects to it as a client.
+
+    Raises:
+        EnvError: a field has the wrong type or range, or the fields contradict
+            each other (``rank >= world_size``, ...).
     """
 
     rank: int = attrs.field(default=0, validator=_non_negative)
@@ -62,10 +86,10 @@ class Env:
     world_size: int = attrs.field(default=1, validator=_positive)
     local_world_size: int = attrs.field(default=1, validator=_positive)
     node_rank: int = attrs.field(default=0, validator=_non_negative)
-    master_addr: str = "127.0.0.1"
+    master_addr: str = attrs.field(default="127.0.0.1", validator=_address)
     master_port: int = attrs.field(default=0, validator=_non_negative)
-    source: EnvSource = "single"
-    agent_store: bool = False
+    source: EnvSource = attrs.field(default="single", validator=_source)
+    agent_store: bool = attrs.field(default=False, validator=_bool)
 
     def __attrs_post_init__(self) -> None:
         if self.rank >= self.world_size:
@@ -92,8 +116,37 @@ class Env:
         return self.source != "single"
 
 
-def _read_only(extras: Mapping[str, Any]) -> Mapping[str, Any]:
+def _read_only(extras: object) -> Mapping[str, Any]:
+    if not isinstance(extras, Mapping) or not all(isinstance(key, str) for key in extras):
+        raise UsageError(
+            f"Context.extras must be a mapping with str keys (got {describe(extras)}); add "
+            "state with ctx.with_extras(name=value)."
+        )
     return MappingProxyType(dict(extras))
+
+
+def _is_env(instance: object, attribute: attrs.Attribute[Env], value: object) -> None:
+    if not isinstance(value, Env):
+        raise UsageError(
+            f"Context.env must be an Env (got {describe(value)}); use detect_env(os.environ), "
+            "or Env() for a single process."
+        )
+
+
+def _is_device(instance: object, attribute: attrs.Attribute[torch.device], value: object) -> None:
+    if not isinstance(value, torch.device):
+        raise UsageError(
+            f"Context.device must be a torch.device (got {describe(value)}), e.g. "
+            "torch.device('cpu')."
+        )
+
+
+def _is_group(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and not isinstance(value, dist.ProcessGroup):
+        raise UsageError(
+            f"Context.group must be None (a world of one) or a torch.distributed.ProcessGroup "
+            f"(got {describe(value)})."
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -103,11 +156,15 @@ class Context:
     `setup` returns it; every other field of a strategy receives it. It is
     frozen; per-run objects that combinators need (a ``GradScaler``, a device
     mesh) live in ``extras``, a read-only mapping added to with `with_extras`.
+
+    Raises:
+        UsageError: a field has the wrong type (``env`` not an `Env`, ``device``
+            not a ``torch.device``, ...).
     """
 
-    env: Env
-    device: torch.device
-    group: dist.ProcessGroup | None = None
+    env: Env = attrs.field(validator=_is_env)
+    device: torch.device = attrs.field(validator=_is_device)
+    group: dist.ProcessGroup | None = attrs.field(default=None, validator=_is_group)
     extras: Mapping[str, Any] = attrs.field(factory=dict, converter=_read_only)
 
     def with_extras(self, **extras: Any) -> Context:
@@ -147,6 +204,34 @@ class Context:
     def is_main(self) -> bool:
         """Whether this is global rank 0, the rank that prints and writes."""
         return self.env.rank == 0
+
+
+def check_context(ctx: object, function: str) -> Context:
+    """Return ``ctx`` if it is a `Context`; the first line of every field that takes one.
+
+    Raises:
+        UsageError: it is not (an `Env`, arguments in the wrong order, ...).
+    """
+    if not isinstance(ctx, Context):
+        raise UsageError(
+            f"{function}: 'ctx' must be the Context that the strategy's setup returned (got "
+            f"{describe(ctx)}); launch passes it to your function after the strategy."
+        )
+    return ctx
+
+
+def check_env(env: object, function: str) -> Env:
+    """Return ``env`` if it is an `Env`; the first line of every ``setup`` field.
+
+    Raises:
+        UsageError: it is not.
+    """
+    if not isinstance(env, Env):
+        raise UsageError(
+            f"{function}: 'env' must be an Env (got {describe(env)}); use "
+            "detect_env(os.environ), or Env() for a single process."
+        )
+    return env
 
 
 def _int(environ: Mapping[str, str], name: str) -> int:
@@ -298,9 +383,10 @@ def detect_env(environ: Mapping[str, str]) -> Env:
         The `Env` they describe.
 
     Raises:
-        EnvError: a variable is malformed (not an integer, negative) or the
-            variables contradict each other (``RANK >= WORLD_SIZE``); the
+        EnvError: a variable is malformed (not an integer, negative, not a str) or
+            the variables contradict each other (``RANK >= WORLD_SIZE``); the
             message names the variables and values.
+        UsageError: ``environ`` is not a mapping.
 
     Example:
         >>> detect_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}).rank
@@ -308,6 +394,18 @@ def detect_env(environ: Mapping[str, str]) -> Env:
         >>> detect_env({}).source
         'single'
     """
+    if not isinstance(environ, Mapping):
+        raise UsageError(
+            f"detect_env: 'environ' must be a mapping of variable names to str, usually "
+            f"os.environ (got {describe(environ)})."
+        )
+    # os.environ holds only str; a hand-made mapping may not, and would fail deep in parsing.
+    odd = next(((k, v) for k, v in environ.items() if not isinstance(v, str)), None)
+    if odd is not None:
+        raise EnvError(
+            f"environment variable {odd[0]} must be a str, as in os.environ (got "
+            f"{describe(odd[1])})."
+        )
     if "RANK" in environ or "WORLD_SIZE" in environ or "TORCHELASTIC_RUN_ID" in environ:
         return _torchrun(environ)
     if _is_slurm_batch(environ):

@@ -17,19 +17,37 @@ from stratagem.env import detect_env
 from stratagem.errors import LaunchError, UsageError, describe
 from stratagem.strategy import StrategyLike
 
-__all__ = ["in_place", "launch"]
+__all__ = ["check_field_arguments", "in_place", "launch"]
 
 R = TypeVar("R")
 
 
 def _check_devices(devices: object) -> int | Literal["auto"]:
-    if devices == "auto":
+    if isinstance(devices, str) and devices == "auto":
         return "auto"
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise UsageError(
             f"launch: 'devices' must be a positive int or 'auto' (got {describe(devices)})."
         )
     return devices
+
+
+def check_field_arguments(fn: object, devices: object, args: object) -> None:
+    """Check what a launch field receives, for callers that skip `launch` (which resolves 'auto').
+
+    Raises:
+        UsageError: ``fn`` is not callable, ``devices`` not a positive int, or
+            ``args`` not a tuple or list.
+    """
+    if not callable(fn):
+        raise UsageError(f"launch: 'fn' must be callable (got {describe(fn)}).")
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise UsageError(
+            f"launch: 'devices' must be a positive int (got {describe(devices)}); "
+            "stratagem.launch also accepts 'auto'."
+        )
+    if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
+        raise UsageError(f"launch: 'args' must be a tuple or list (got {describe(args)}).")
 
 
 def launch(
@@ -92,8 +110,10 @@ def in_place(
     """Launch field that runs ``fn`` in this process (a world of one, or a rank torchrun started).
 
     Raises:
+        UsageError: an argument is malformed (see `check_field_arguments`).
         LaunchError: ``devices`` differs from the processes on this node.
     """
+    check_field_arguments(fn, devices, args)
     env = detect_env(os.environ)
     if devices != env.local_world_size:
         if env.is_distributed:

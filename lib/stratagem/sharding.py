@@ -16,12 +16,55 @@ import attrs
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
-from stratagem.env import Context
+from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
 
-__all__ = ["ShardSampler", "ShardedLoader", "shard_loader"]
+__all__ = ["ShardSampler", "ShardedLoader", "check_not_empty", "shard_loader"]
 
 T = TypeVar("T")
+
+_SEEDS = 2**64  # torch generators take seeds modulo this; larger sums would overflow
+
+
+def _count(instance: object, attribute: attrs.Attribute[int], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise UsageError(
+            f"{type(instance).__name__}.{attribute.name} must be a non-negative int "
+            f"(got {describe(value)})."
+        )
+
+
+def _below_world(rank: object, world: object) -> None:
+    # Validators run once every field is set, and again on each assignment; a world size
+    # that is not a positive int gets its own message from its own validator.
+    if isinstance(rank, int) and isinstance(world, int) and 0 < world <= rank:
+        raise UsageError(
+            f"ShardSampler.rank must be below world_size (got rank={rank}, world_size={world})."
+        )
+
+
+def _world_size(instance: Any, attribute: attrs.Attribute[int], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"ShardSampler.world_size must be a positive int (got {describe(value)}).")
+    _below_world(getattr(instance, "rank", None), value)
+
+
+def _rank(instance: Any, attribute: attrs.Attribute[int], value: object) -> None:
+    _count(instance, attribute, value)
+    _below_world(value, getattr(instance, "world_size", None))
+
+
+def _flag(instance: object, attribute: attrs.Attribute[bool], value: object) -> None:
+    if not isinstance(value, bool):
+        raise UsageError(
+            f"{type(instance).__name__}.{attribute.name} must be True or False "
+            f"(got {describe(value)})."
+        )
+
+
+def _seed(instance: object, attribute: attrs.Attribute[int], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UsageError(f"ShardSampler.seed must be an int (got {describe(value)}).")
 
 
 @attrs.define
@@ -40,16 +83,21 @@ class ShardSampler:
     consumed before a checkpoint: ``world_size * batches * batch_size`` after
     every rank took ``batches`` whole batches, since dealing makes what the
     ranks consumed together a prefix of the permutation.
+
+    Fields are validated at construction and on assignment.
+
+    Raises:
+        UsageError: a field has the wrong type or range (``rank >= world_size``, ...).
     """
 
-    size: int
-    rank: int
-    world_size: int
-    shuffle: bool = False
-    seed: int = 0
-    drop_last: bool = False
-    epoch: int = 0
-    start: int = 0
+    size: int = attrs.field(validator=_count)
+    rank: int = attrs.field(validator=_rank)
+    world_size: int = attrs.field(validator=_world_size)
+    shuffle: bool = attrs.field(default=False, validator=_flag)
+    seed: int = attrs.field(default=0, validator=_seed)
+    drop_last: bool = attrs.field(default=False, validator=_flag)
+    epoch: int = attrs.field(default=0, validator=_count)
+    start: int = attrs.field(default=0, validator=_count)
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the permutation of the next pass."""
@@ -60,7 +108,7 @@ class ShardSampler:
 
     def __iter__(self) -> Iterator[int]:
         if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            generator = torch.Generator().manual_seed((self.seed + self.epoch) % _SEEDS)
             order = torch.randperm(self.size, generator=generator)
         else:
             order = torch.arange(self.size)
@@ -80,6 +128,19 @@ class _Pass:
     batches: int = 0  # batches this rank took in this pass
 
 
+def _data_loader(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, DataLoader):
+        raise UsageError(f"ShardedLoader.loader must be a DataLoader (got {describe(value)}).")
+
+
+def _sampler(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, (ShardSampler, DistributedSampler)):
+        raise UsageError(
+            f"ShardedLoader.sampler must be a ShardSampler or a DistributedSampler (got "
+            f"{describe(value)}); strategy.shard(loader, ctx) builds both for you."
+        )
+
+
 @attrs.define
 class ShardedLoader:
     """A rank's DataLoader that starts a new epoch at every pass; its position is checkpointable.
@@ -93,11 +154,14 @@ class ShardedLoader:
         loader: the rebuilt DataLoader.
         sampler: its `ShardSampler` (or the user's distributed sampler).
         epoch: the epoch the next pass will use.
+
+    Raises:
+        UsageError: a field has the wrong type.
     """
 
-    loader: DataLoader[Any]
-    sampler: ShardSampler | DistributedSampler[Any]
-    epoch: int = 0
+    loader: DataLoader[Any] = attrs.field(validator=_data_loader)
+    sampler: ShardSampler | DistributedSampler[Any] = attrs.field(validator=_sampler)
+    epoch: int = attrs.field(default=0, validator=_count)
     _start: int = attrs.field(default=0, init=False)
     _pass: _Pass | None = attrs.field(default=None, init=False, repr=False)
 
@@ -149,6 +213,11 @@ class ShardedLoader:
         Raises:
             UsageError: ``state`` is not such a position.
         """
+        if not isinstance(state, Mapping):
+            raise UsageError(
+                "ShardedLoader.load_state_dict: 'state' must be the mapping state_dict returned "
+                f"(got {describe(state)})."
+            )
         epoch, consumed = state.get("epoch"), state.get("consumed")
         if not all(
             isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (epoch, consumed)
@@ -185,6 +254,27 @@ def _rebuild(loader: DataLoader[T], sampler: ShardSampler) -> DataLoader[T]:
     return DataLoader(loader.dataset, sampler=sampler, generator=torch.Generator(), **options)
 
 
+def check_not_empty(loader: object) -> None:
+    """Refuse a DataLoader over an empty map-style dataset: no rank would get a batch.
+
+    Decided from the dataset alone, so every rank decides alike (none waits for another).
+
+    Raises:
+        UsageError: the dataset has no sample.
+    """
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        return
+    try:
+        size = len(loader.dataset)  # type: ignore[arg-type]  # map-style datasets have a length
+    except TypeError:
+        return  # a dataset without a length: nothing to tell
+    if size == 0:
+        raise UsageError(
+            f"shard: the DataLoader's dataset ({type(loader.dataset).__name__}) is empty, so "
+            "the loop would train on nothing; check where the data comes from."
+        )
+
+
 def shard_loader(loader: Iterable[T], ctx: Context) -> Iterable[T]:
     """Return this rank's share of ``loader``, a ``torch.utils.data.DataLoader``.
 
@@ -197,12 +287,15 @@ def shard_loader(loader: Iterable[T], ctx: Context) -> Iterable[T]:
         UsageError: ``loader`` is not a DataLoader, iterates an
             ``IterableDataset``, or uses a custom ``batch_sampler``; the message
             says how to shard it by hand with ``ctx.rank`` and ``ctx.world_size``.
+            Or its dataset is empty (`check_not_empty`), or ``ctx`` is not a `Context`.
     """
+    check_context(ctx, "shard")
     if not isinstance(loader, DataLoader):
         raise UsageError(
             f"shard: 'loader' must be a torch DataLoader (got {describe(loader)}); shard other "
             "iterables yourself, e.g. items[ctx.rank::ctx.world_size]."
         )
+    check_not_empty(loader)
     if isinstance(loader.sampler, (ShardSampler, DistributedSampler)):
         return ShardedLoader(loader=loader, sampler=loader.sampler)
     if isinstance(loader.dataset, IterableDataset):

@@ -26,7 +26,7 @@ import attrs
 
 from stratagem.env import Env, detect_env
 from stratagem.errors import UsageError, describe
-from stratagem.launchers import in_place
+from stratagem.launchers import check_field_arguments, in_place
 from stratagem.processes import (
     death_error,
     forwarding_signals,
@@ -42,13 +42,23 @@ from stratagem.processes import (
 )
 from stratagem.strategy import StrategyLike
 
-__all__ = ["Spawn"]
+__all__ = ["MAX_SECONDS", "Spawn", "spawn_launcher"]
+
+
+# The pipes' wait() takes milliseconds as a C int: about 24 days at most. Longer waits are a
+# typo or a wish for "forever", which a launcher should not grant a hung rank.
+MAX_SECONDS = 1_000_000
 
 
 def _positive_seconds(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 < value <= MAX_SECONDS  # also refuses NaN and infinity
+    ):
         raise UsageError(
-            f"Spawn.{attribute.name} must be a positive number of seconds (got {describe(value)})."
+            f"Spawn.{attribute.name} must be a positive number of seconds, at most "
+            f"{MAX_SECONDS} (got {describe(value)})."
         )
 
 
@@ -65,6 +75,9 @@ class Spawn:
         exit_timeout: seconds a rank gets to exit after it sent its result,
             before it is killed (its result is kept).
         store_timeout: seconds the rendezvous store waits for a rank to connect.
+
+    Raises:
+        UsageError: a setting is not a positive number of seconds up to `MAX_SECONDS`.
     """
 
     stop_grace: float = attrs.field(default=5.0, validator=_positive_seconds)
@@ -74,11 +87,28 @@ class Spawn:
     def __call__(
         self, fn: Callable[..., Any], strategy: StrategyLike, devices: int, args: Sequence[Any]
     ) -> list[Any]:
+        check_field_arguments(fn, devices, args)
         if devices == 1 or detect_env(os.environ).is_distributed:
             return in_place(fn, strategy, devices, args)
         payload = pack(fn, strategy, args)
         with rendezvous(self.store_timeout) as port:
             return _World(self, devices, port, payload).run()
+
+
+def spawn_launcher(start: object, factory: str) -> Spawn:
+    """Return the launch field of a ``*_spawn`` factory: ``start``, or ``Spawn()`` for None.
+
+    Raises:
+        UsageError: ``start`` is neither None nor a `Spawn`.
+    """
+    if start is None:
+        return Spawn()
+    if not isinstance(start, Spawn):
+        raise UsageError(
+            f"{factory}: 'start' must be None or a Spawn (got {describe(start)}), e.g. "
+            "Spawn(stop_grace=10)."
+        )
+    return start
 
 
 @attrs.define

@@ -13,32 +13,106 @@ from typing import Any
 
 import torch
 
-from stratagem.env import Context
+from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
 from stratagem.fields import ForwardFn
 
-__all__ = ["backward", "move_to_device", "no_sync", "step", "to_device", "update"]
+__all__ = [
+    "backward",
+    "check_loss",
+    "check_module",
+    "check_optimizer",
+    "move_batch",
+    "move_to_device",
+    "no_sync",
+    "step",
+    "to_device",
+    "update",
+]
 
 
-def move_to_device(batch: Any, device: torch.device) -> Any:
-    """Return ``batch`` with every tensor inside it moved to ``device``.
+def check_module(module: object, function: str) -> torch.nn.Module:
+    """Return ``module`` if it is a ``torch.nn.Module``.
 
-    Looks inside tuples (named ones too), lists, dicts and dataclass instances;
-    anything else is returned as it is. A tensor already on ``device`` is not copied.
+    Raises:
+        UsageError: it is not (arguments in the wrong order, an optimizer, ...).
     """
+    if not isinstance(module, torch.nn.Module):
+        raise UsageError(
+            f"{function}: 'module' must be a torch.nn.Module (got {describe(module)}); pass "
+            "the module that wrap returned."
+        )
+    return module
+
+
+def check_loss(loss: object, function: str) -> torch.Tensor:
+    """Return ``loss`` if it is a one-element tensor that requires grad.
+
+    Raises:
+        UsageError: it is not; the message says why and how to fix it.
+    """
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shown = (
+            f"a tensor of shape {tuple(loss.shape)}"
+            if isinstance(loss, torch.Tensor)
+            else describe(loss)
+        )
+        raise UsageError(
+            f"{function}: 'loss' must be a one-element tensor (got {shown}); reduce it first, "
+            "e.g. loss.mean()."
+        )
+    if not loss.requires_grad:
+        raise UsageError(
+            f"{function}: 'loss' does not require grad: it was computed without the module's "
+            "parameters (does the module have any?), under torch.no_grad(), or after .detach()."
+        )
+    return loss
+
+
+def check_optimizer(optimizer: object, function: str) -> None:
+    """Check that ``optimizer`` can step: a ``torch.optim.Optimizer``, or anything shaped like one.
+
+    Raises:
+        UsageError: it lacks ``step``, ``zero_grad`` or ``param_groups``.
+    """
+    if not (
+        callable(getattr(optimizer, "step", None))
+        and callable(getattr(optimizer, "zero_grad", None))
+        and hasattr(optimizer, "param_groups")
+    ):
+        raise UsageError(
+            f"{function}: 'optimizer' must be a torch.optim.Optimizer (got "
+            f"{describe(optimizer)}); the arguments are (optimizer, module, ctx)."
+        )
+
+
+def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    try:
+        return tensor.to(device, non_blocking=True)
+    except (RuntimeError, NotImplementedError) as error:  # a meta tensor, a missing device
+        raise UsageError(
+            f"a tensor of the batch (shape {tuple(tensor.shape)}, on {tensor.device}) cannot "
+            f"be moved to device {device} "
+            f"({type(error).__name__}: {str(error).splitlines()[0]}); build the batch from real "
+            "data (not on the meta device), on the CPU or on that device."
+        ) from None
+
+
+def move_batch(batch: Any, device: torch.device) -> Any:
+    """`move_to_device` for a ``device`` known to be a ``torch.device`` (a context's): no check."""
     # The common cases first, with cheap checks: this runs on every step.
     if isinstance(batch, torch.Tensor):
-        return batch if batch.device == device else batch.to(device, non_blocking=True)
+        return batch if batch.device == device else _moved(batch, device)
     if isinstance(batch, tuple):
-        moved = [move_to_device(v, device) for v in batch]
+        moved = [move_batch(v, device) for v in batch]
         return type(batch)(*moved) if hasattr(batch, "_fields") else tuple(moved)
     if isinstance(batch, list):
-        return [move_to_device(v, device) for v in batch]
+        return [move_batch(v, device) for v in batch]
     if isinstance(batch, Mapping):
-        return type(batch)({k: move_to_device(v, device) for k, v in batch.items()})  # type: ignore[call-arg]
+        return type(batch)({k: move_batch(v, device) for k, v in batch.items()})  # type: ignore[call-arg]
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         changes = {
-            f.name: move_to_device(getattr(batch, f.name), device)
+            f.name: move_batch(getattr(batch, f.name), device)
             for f in dataclasses.fields(batch)
             if f.init
         }
@@ -46,14 +120,37 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+def move_to_device(batch: Any, device: torch.device | str) -> Any:
+    """Return ``batch`` with every tensor inside it moved to ``device``.
+
+    Looks inside tuples (named ones too), lists, dicts and dataclass instances;
+    anything else is returned as it is. A tensor already on ``device`` is not copied.
+
+    Raises:
+        UsageError: ``device`` is not a device, or a tensor cannot be moved
+            there (a ``meta`` tensor holds no data to move).
+    """
+    wanted = device
+    if isinstance(device, str):
+        with contextlib.suppress(RuntimeError):  # not a device name: refused just below
+            wanted = torch.device(device)
+    if not isinstance(wanted, torch.device):
+        raise UsageError(
+            f"move_to_device: 'device' must be a torch.device or a device string such as "
+            f"'cpu' (got {describe(device)})."
+        )
+    return move_batch(batch, wanted)
+
+
 def to_device(module: torch.nn.Module, ctx: Context) -> torch.nn.Module:
     """Move ``module`` to ``ctx.device`` (the ``wrap`` of a single device).
 
     Raises:
-        UsageError: ``module`` is not a ``torch.nn.Module``.
+        UsageError: ``module`` is not a ``torch.nn.Module``, or ``ctx`` not a `Context`.
     """
     if not isinstance(module, torch.nn.Module):
         raise UsageError(f"wrap: 'module' must be a torch.nn.Module (got {describe(module)}).")
+    check_context(ctx, "wrap")
     return module.to(ctx.device)
 
 
@@ -64,8 +161,19 @@ def step(
 
     Put loss logic in ``forward`` rather than substituting ``step``: a
     combinator's forward context (autocast, ...) wraps this function.
+
+    Raises:
+        UsageError: ``module`` is not a module, ``forward`` not callable, ``ctx``
+            not a `Context`, or a tensor of the batch cannot be moved to the device.
     """
-    batch = move_to_device(batch, ctx.device)
+    check_module(module, "step")
+    check_context(ctx, "step")
+    if forward is not None and not callable(forward):
+        raise UsageError(
+            f"step: 'forward' must be None or a function forward(module, batch) (got "
+            f"{describe(forward)})."
+        )
+    batch = move_batch(batch, ctx.device)
     if forward is None:
         return module(batch)
     return forward(module, batch)
@@ -75,32 +183,31 @@ def backward(loss: torch.Tensor, module: torch.nn.Module, ctx: Context) -> None:
     """Backpropagate a scalar ``loss``.
 
     Raises:
-        UsageError: ``loss`` is not a one-element tensor that requires grad.
+        UsageError: ``loss`` is not a one-element tensor that requires grad, or
+            ``ctx`` is not a `Context`.
     """
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        shown = (
-            f"a tensor of shape {tuple(loss.shape)}"
-            if isinstance(loss, torch.Tensor)
-            else describe(loss)
-        )
-        raise UsageError(
-            f"backward: 'loss' must be a one-element tensor (got {shown}); reduce it first, "
-            "e.g. loss.mean()."
-        )
-    if not loss.requires_grad:
-        raise UsageError(
-            "backward: 'loss' does not require grad: it was computed without the module's "
-            "parameters, under torch.no_grad(), or after .detach()."
-        )
-    torch.autograd.backward(loss)
+    check_context(ctx, "backward")
+    torch.autograd.backward(check_loss(loss, "backward"))
 
 
 def update(optimizer: torch.optim.Optimizer, module: torch.nn.Module, ctx: Context) -> None:
-    """Step ``optimizer``, then set the gradients to ``None``."""
+    """Step ``optimizer``, then set the gradients to ``None``.
+
+    Raises:
+        UsageError: ``optimizer`` cannot step, or ``ctx`` is not a `Context`.
+    """
+    check_optimizer(optimizer, "update")
+    check_context(ctx, "update")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
 
 def no_sync(module: torch.nn.Module, ctx: Context) -> contextlib.AbstractContextManager[None]:
-    """Return a context that does nothing: one process has no gradients to synchronise."""
+    """Return a context that does nothing: one process has no gradients to synchronise.
+
+    Raises:
+        UsageError: ``module`` is not a module, or ``ctx`` not a `Context` (as on N ranks).
+    """
+    check_module(module, "no_sync")
+    check_context(ctx, "no_sync")
     return contextlib.nullcontext()

@@ -18,7 +18,7 @@ from stratagem.checkpoint.entries import KINDS, RNG_KEY, Entry, Kind, classify, 
 from stratagem.checkpoint.layout import CheckpointError, Found
 from stratagem.checkpoint.matching import Mismatch, layout_of, match
 from stratagem.checkpoint.safety import decode, read_metadata
-from stratagem.env import Context
+from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
 
 if TYPE_CHECKING:
@@ -40,6 +40,11 @@ def checked_path(path: object, function: str) -> Path:
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise UsageError(f"{function}: 'path' must be a str or os.PathLike (got {describe(path)}).")
     return Path(os.fspath(path)).absolute()
+
+
+def _check_flag(value: object, name: str, function: str) -> None:
+    if not isinstance(value, bool):
+        raise UsageError(f"{function}: '{name}' must be True or False (got {describe(value)}).")
 
 
 def on_main(ctx: Context, fn: Callable[[], T]) -> T:
@@ -99,11 +104,14 @@ def save(
         rng: also record every rank's RNG states (Python, NumPy, torch).
 
     Raises:
-        UsageError: ``state`` or ``keep_last`` is malformed, a plain value is
-            not storable safely, or an optimizer's module is not in ``state``.
+        UsageError: ``path``, ``state``, ``ctx``, ``keep_last`` or ``rng`` is
+            malformed, a plain value is not storable safely, or an optimizer's
+            module is not in ``state``.
         CheckpointError: writing failed, or ``path`` exists and is not a checkpoint.
     """
     target = checked_path(path, "save")
+    check_context(ctx, "save")
+    _check_flag(rng, "rng", "save")
     if keep_last is not None and (
         isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
     ):
@@ -223,9 +231,12 @@ def load(
         CheckpointError: the checkpoint is truncated, tampered with or
             unreadable (nothing in it is unpickled without restriction), or it
             does not match ``state`` (the message lists the keys).
-        UsageError: ``state`` is malformed.
+        UsageError: ``path``, ``state``, ``ctx``, ``strict`` or ``rng`` is malformed.
     """
     target = checked_path(path, "load")
+    check_context(ctx, "load")
+    _check_flag(strict, "strict", "load")
+    _check_flag(rng, "rng", "load")
     entries = classify(state, "load")
     found, metadata = on_main(ctx, lambda: open_checkpoint(target))
     kinds = _kinds(found)

@@ -46,12 +46,17 @@ def _is_compiled(module: torch.nn.Module) -> bool:
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
     """Return the plain module inside DDP, DataParallel and ``torch.compile`` wrappers.
 
+    Raises:
+        UsageError: ``module`` is not a ``torch.nn.Module``.
+
     Example:
         >>> import torch, stratagem as sg
         >>> plain = torch.nn.Linear(2, 2)
         >>> sg.unwrap(torch.nn.DataParallel(plain)) is plain
         True
     """
+    if not isinstance(module, torch.nn.Module):
+        raise UsageError(f"unwrap: 'module' must be a torch.nn.Module (got {describe(module)}).")
     while True:
         if isinstance(module, (DistributedDataParallel, DataParallel)):
             module = cast(torch.nn.Module, module.module)

@@ -37,7 +37,7 @@ from typing import Any
 
 import attrs
 
-from stratagem.errors import StratagemError
+from stratagem.errors import StratagemError, UsageError, describe
 
 __all__ = [
     "FORMAT",
@@ -256,7 +256,14 @@ def latest(directory: str | os.PathLike[str]) -> Path | None:
 
     A checkpoint whose save was interrupted between its two renames counts
     under its own name (loading it gives the previous version).
+
+    Raises:
+        UsageError: ``directory`` is not a str or path-like.
     """
+    if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
+        raise UsageError(
+            f"latest: 'directory' must be a str or os.PathLike (got {describe(directory)})."
+        )
     parent = Path(directory)
     if not parent.is_dir():
         return None

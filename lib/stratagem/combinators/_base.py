@@ -15,14 +15,36 @@ from typing import Any
 import attrs
 import torch
 
-from stratagem.errors import StratagemError
-from stratagem.strategy import FIELD_SIGNATURES, StrategyLike
+from stratagem.errors import StratagemError, UsageError, describe
+from stratagem.strategy import FIELD_SIGNATURES, Strategy, StrategyLike
 
-__all__ = ["CombinatorError", "OptimizerHook", "applied", "gradients", "root_optimizer"]
+__all__ = [
+    "CombinatorError",
+    "OptimizerHook",
+    "applied",
+    "check_strategy",
+    "gradients",
+    "root_optimizer",
+]
 
 
 class CombinatorError(StratagemError, ValueError):
     """A combinator was applied twice, or in an order that cannot work."""
+
+
+def check_strategy(strategy: object, combinator: str) -> Strategy:
+    """Return ``strategy`` if it is a `Strategy`, the only record ``attrs.evolve`` can derive from.
+
+    Raises:
+        UsageError: it is not.
+    """
+    if not isinstance(strategy, Strategy):
+        raise UsageError(
+            f"{combinator}: 'strategy' must be a Strategy (got {describe(strategy)}); build one "
+            "with a factory such as single_device(), or Strategy(name=..., **fields) from your "
+            "own record's functions."
+        )
+    return strategy
 
 
 def _layers(value: object) -> list[object]:

@@ -8,11 +8,12 @@ from typing import Any, Literal
 import attrs
 import torch
 
-from stratagem.combinators._base import CombinatorError, applied
-from stratagem.env import Context, Env
+from stratagem.combinators._base import CombinatorError, applied, check_strategy
+from stratagem.env import Context, Env, check_context
 from stratagem.errors import UsageError, describe
 from stratagem.fields import BackwardFn, ForwardFn, NoSyncFn, SetupFn, StepFn, UpdateFn
 from stratagem.strategy import Strategy
+from stratagem.training import check_loss, check_module, check_optimizer
 
 __all__ = ["AccumulationState", "Normalize", "accumulate"]
 
@@ -42,8 +43,8 @@ class AccumulationState:
         return self.index % self.every == self.every - 1
 
 
-def _state(ctx: Context) -> AccumulationState:
-    state = ctx.extras.get("accumulation")
+def _state(ctx: Context, function: str) -> AccumulationState:
+    state = check_context(ctx, function).extras.get("accumulation")
     if not isinstance(state, AccumulationState):
         raise UsageError(
             "accumulate: ctx has no accumulation state; pass the Context that this strategy's "
@@ -73,7 +74,8 @@ class AccumulationStep:
     def __call__(
         self, module: torch.nn.Module, batch: Any, ctx: Context, *, forward: ForwardFn | None = None
     ) -> Any:
-        state = _state(ctx)
+        check_module(module, "step")
+        state = _state(ctx, "step")
         if torch.is_grad_enabled() and not state.last and state.pending is None:
             state.pending = self.no_sync(module, ctx)
             state.pending.__enter__()
@@ -88,7 +90,8 @@ class AccumulationBackward:
     normalize: Normalize
 
     def __call__(self, loss: torch.Tensor, module: torch.nn.Module, ctx: Context) -> None:
-        state = _state(ctx)
+        check_loss(loss, "backward")
+        state = _state(ctx, "backward")
         if self.normalize == "mean":
             loss = loss / state.every
         elif self.normalize == "count":
@@ -116,7 +119,8 @@ class AccumulationUpdate:
     def __call__(
         self, optimizer: torch.optim.Optimizer, module: torch.nn.Module, ctx: Context
     ) -> None:
-        state = _state(ctx)
+        check_optimizer(optimizer, "update")  # every call: a bad one fails at once, not at N
+        state = _state(ctx, "update")
         if state.index % state.every == 0:
             self.inner(optimizer, module, ctx)
             state.count = None
@@ -138,12 +142,14 @@ def accumulate(strategy: Strategy, every: int, *, normalize: Normalize = "mean")
     ``ctx.extras["accumulation"]``), ``step``, ``backward``, ``update``.
 
     Raises:
-        UsageError: ``every`` is not a positive int or ``normalize`` is unknown.
+        UsageError: ``strategy`` is not a `Strategy`, ``every`` is not a positive
+            int, or ``normalize`` is unknown.
         CombinatorError: the strategy already accumulates.
     """
+    check_strategy(strategy, "accumulate")
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise UsageError(f"accumulate: 'every' must be a positive int (got {describe(every)}).")
-    if normalize not in ("mean", "sum", "count"):
+    if not isinstance(normalize, str) or normalize not in ("mean", "sum", "count"):
         raise UsageError(
             f"accumulate: 'normalize' must be 'mean', 'sum' or 'count' (got {describe(normalize)})."
         )

@@ -22,8 +22,8 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from stratagem.combinators._base import CombinatorError, applied
-from stratagem.env import Context
+from stratagem.combinators._base import CombinatorError, applied, check_strategy
+from stratagem.env import Context, check_context
 from stratagem.errors import StratagemError, UsageError, describe
 from stratagem.fields import BarrierFn, BroadcastFn, GatherFn, ReduceFn, ReduceOp
 from stratagem.strategy import Strategy
@@ -129,8 +129,8 @@ def _agree(fingerprint: Fingerprint, ctx: Context, sites: bool) -> None:
     raise _mismatch(fingerprints)
 
 
-def _distributed(ctx: Context) -> bool:
-    return ctx.group is not None and ctx.world_size > 1
+def _distributed(ctx: Context, function: str) -> bool:
+    return check_context(ctx, function).group is not None and ctx.world_size > 1
 
 
 def _described(tensor: object) -> tuple[tuple[int, ...] | None, str | None]:
@@ -147,7 +147,7 @@ class CheckedReduce:
     compare_sites: bool = True
 
     def __call__(self, tensor: torch.Tensor, op: ReduceOp, ctx: Context) -> torch.Tensor:
-        if _distributed(ctx):
+        if _distributed(ctx, "reduce"):
             shape, dtype = _described(tensor)
             _agree(
                 Fingerprint("reduce", str(op), shape, dtype, _call_site()), ctx, self.compare_sites
@@ -163,7 +163,7 @@ class CheckedGather:
     compare_sites: bool = True
 
     def __call__(self, tensor: torch.Tensor, ctx: Context) -> torch.Tensor:
-        if _distributed(ctx):
+        if _distributed(ctx, "gather"):
             shape, dtype = _described(tensor)
             _agree(Fingerprint("gather", "", shape, dtype, _call_site()), ctx, self.compare_sites)
         return self.inner(tensor, ctx)
@@ -181,7 +181,7 @@ class CheckedBroadcast:
     compare_sites: bool = True
 
     def __call__(self, obj: Any, ctx: Context, *, src: int = 0) -> Any:
-        if _distributed(ctx):
+        if _distributed(ctx, "broadcast"):
             fingerprint = Fingerprint("broadcast", f"src={src}", None, None, _call_site())
             _agree(fingerprint, ctx, self.compare_sites)
         return self.inner(obj, ctx, src=src)
@@ -195,7 +195,7 @@ class CheckedBarrier:
     compare_sites: bool = True
 
     def __call__(self, ctx: Context) -> None:
-        if _distributed(ctx):
+        if _distributed(ctx, "barrier"):
             _agree(Fingerprint("barrier", "", None, None, _call_site()), ctx, self.compare_sites)
         self.inner(ctx)
 
@@ -223,9 +223,10 @@ def checked(strategy: Strategy, *, compare_sites: bool = True) -> Strategy:
         The strategy with checked collectives.
 
     Raises:
-        UsageError: ``compare_sites`` is not a bool.
+        UsageError: ``strategy`` is not a `Strategy`, or ``compare_sites`` is not a bool.
         CombinatorError: the strategy is already checked.
     """
+    check_strategy(strategy, "checked")
     if not isinstance(compare_sites, bool):
         raise UsageError(
             f"checked: 'compare_sites' must be True or False (got {describe(compare_sites)})."

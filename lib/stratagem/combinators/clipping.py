@@ -9,12 +9,19 @@ from typing import Any
 import attrs
 import torch
 
-from stratagem.combinators._base import CombinatorError, OptimizerHook, applied, root_optimizer
+from stratagem.combinators._base import (
+    CombinatorError,
+    OptimizerHook,
+    applied,
+    check_strategy,
+    root_optimizer,
+)
 from stratagem.combinators.precision import PrecisionState
-from stratagem.env import Context, Env
+from stratagem.env import Context, Env, check_context
 from stratagem.errors import UsageError, describe
 from stratagem.fields import SetupFn, UpdateFn
 from stratagem.strategy import Strategy
+from stratagem.training import check_optimizer
 
 __all__ = ["ClipState", "with_clipping"]
 
@@ -57,6 +64,9 @@ class ClipUpdate:
     def __call__(
         self, optimizer: torch.optim.Optimizer, module: torch.nn.Module, ctx: Context
     ) -> None:
+        check_optimizer(optimizer, "update")
+        check_context(ctx, "update")
+
         def on_step(step: Callable[[], Any]) -> Any:
             precision = ctx.extras.get("precision")
             if isinstance(precision, PrecisionState):
@@ -109,9 +119,11 @@ def with_clipping(
     unscaled (``"16-mixed"``, in whichever order the combinators were applied).
 
     Raises:
-        UsageError: neither bound is given, or a bound is not positive.
+        UsageError: ``strategy`` is not a `Strategy`, neither bound is given, or a
+            bound or ``norm_type`` is not positive.
         CombinatorError: the strategy is already clipped.
     """
+    check_strategy(strategy, "with_clipping")
     norm = _positive("max_norm", max_norm)
     value = _positive("max_value", max_value)
     if norm is None and value is None:

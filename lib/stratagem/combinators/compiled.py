@@ -19,7 +19,7 @@ from typing import Any, cast
 import attrs
 import torch
 
-from stratagem.combinators._base import CombinatorError, applied
+from stratagem.combinators._base import CombinatorError, applied, check_strategy
 from stratagem.combinators.accumulation import AccumulationStep
 from stratagem.env import Context
 from stratagem.errors import UsageError
@@ -136,13 +136,15 @@ def compiled(strategy: Strategy, **torch_compile_options: Any) -> Strategy:
         The strategy with a compiling ``wrap``.
 
     Raises:
-        UsageError: an option is not one of ``torch.compile``'s, or
+        UsageError: ``strategy`` is not a `Strategy`, an option is not one of
+            ``torch.compile``'s, or
             ``torch.compile`` rejects its value (checking imports ``torch._dynamo``,
             a few seconds, once per process).
         CombinatorError: the strategy is already compiled, or already accumulates
             (accumulation's ``step`` holds the ``no_sync`` it was given, which
             cannot take a compiled module: apply ``compiled`` first).
     """
+    check_strategy(strategy, "compiled")
     if applied(strategy, CompiledWrap) is not None:
         raise CombinatorError(
             f"compiled: strategy {strategy.name!r} is already compiled; apply compiled once."

@@ -12,15 +12,16 @@ from stratagem.combinators._base import (
     CombinatorError,
     OptimizerHook,
     applied,
+    check_strategy,
     gradients,
     root_optimizer,
 )
-from stratagem.env import Context, Env
+from stratagem.env import Context, Env, check_context
 from stratagem.errors import UsageError, describe
 from stratagem.fields import BackwardFn, ForwardFn, SetupFn, StepFn, UpdateFn, WrapFn
 from stratagem.strategies.fsdp import WrapFSDP
 from stratagem.strategy import Strategy
-from stratagem.training import move_to_device
+from stratagem.training import check_loss, check_optimizer, move_batch
 
 __all__ = ["Precision", "PrecisionState", "with_precision"]
 
@@ -53,10 +54,13 @@ class PrecisionState:
         scaler: the ``GradScaler`` of ``"16-mixed"`` (None otherwise); save it
             with your checkpoint (``{"scaler": ctx.extras["precision"].scaler}``).
         unscaled: whether this step's gradients were already unscaled (by clipping).
+        skipped: optimizer steps skipped so far because a gradient was not finite
+            (``"16-mixed"``: an overflow, or a NaN/inf loss); see docs/faults.md.
     """
 
     scaler: torch.amp.GradScaler | None
     unscaled: bool = False
+    skipped: int = 0
 
     def unscale(self, optimizer: Any) -> None:
         """Unscale this step's gradients once, before anything reads them."""
@@ -125,17 +129,18 @@ class PrecisionStep:
     def __call__(
         self, module: torch.nn.Module, batch: Any, ctx: Context, *, forward: ForwardFn | None = None
     ) -> Any:
+        check_context(ctx, "step")
         dtype = _dtype(self.precision)
         if _mixed(self.precision):
             with torch.autocast(ctx.device.type, dtype=dtype):
                 return self.inner(module, batch, ctx, forward=forward)
         if dtype != torch.float32:
-            batch = _cast_floats(move_to_device(batch, ctx.device), dtype)
+            batch = _cast_floats(move_batch(batch, ctx.device), dtype)
         return self.inner(module, batch, ctx, forward=forward)
 
 
-def _state(ctx: Context) -> PrecisionState:
-    state = ctx.extras.get("precision")
+def _state(ctx: Context, function: str) -> PrecisionState:
+    state = check_context(ctx, function).extras.get("precision")
     if not isinstance(state, PrecisionState):
         raise UsageError(
             "with_precision: ctx has no precision state; pass the Context that this strategy's "
@@ -151,7 +156,8 @@ class ScaledBackward:
     inner: BackwardFn
 
     def __call__(self, loss: torch.Tensor, module: torch.nn.Module, ctx: Context) -> None:
-        scaler = _state(ctx).scaler
+        check_loss(loss, "backward")
+        scaler = _state(ctx, "backward").scaler
         self.inner(scaler.scale(loss) if scaler is not None else loss, module, ctx)
 
 
@@ -164,13 +170,16 @@ class ScaledUpdate:
     def __call__(
         self, optimizer: torch.optim.Optimizer, module: torch.nn.Module, ctx: Context
     ) -> None:
-        state = _state(ctx)
+        check_optimizer(optimizer, "update")
+        state = _state(ctx, "update")
 
         def on_step(step: Callable[[], Any]) -> Any:
             state.unscale(optimizer)
             grads = gradients(optimizer)
             finite = not grads or bool(torch.stack([g.isfinite().all() for g in grads]).all())
-            result = step() if finite else None  # an overflow skips the step, as GradScaler does
+            # An overflow (or a NaN loss) skips the step, as GradScaler does; the scale backs off.
+            result = step() if finite else None
+            state.skipped += not finite
             if state.scaler is not None:
                 state.scaler.update()
             state.unscaled = False
@@ -227,7 +236,7 @@ def with_precision(strategy: Strategy, precision: Precision) -> Strategy:
     overflowing step together).
 
     Raises:
-        UsageError: ``precision`` is unknown.
+        UsageError: ``strategy`` is not a `Strategy`, or ``precision`` is unknown.
         CombinatorError: the strategy already has a precision, or (``-mixed``
             under FSDP) its ``fsdp()`` already has an ``mp_policy``.
 
@@ -239,7 +248,8 @@ def with_precision(strategy: Strategy, precision: Precision) -> Strategy:
         >>> strategy.step(model, torch.ones(1, 2), ctx).dtype
         torch.bfloat16
     """
-    if precision not in PRECISIONS:
+    check_strategy(strategy, "with_precision")
+    if not isinstance(precision, str) or precision not in PRECISIONS:
         raise UsageError(
             f"with_precision: 'precision' must be one of {', '.join(map(repr, PRECISIONS))} "
             f"(got {describe(precision)})."

@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import torch
 
-from stratagem.combinators._base import CombinatorError, applied
+from stratagem.combinators._base import CombinatorError, applied, check_strategy
 from stratagem.env import Context, Env
 from stratagem.errors import UsageError, describe
 from stratagem.strategy import FIELD_SIGNATURES, Strategy
@@ -70,6 +70,16 @@ Sink = Callable[[TraceEvent], object]
 """Where events go: any callable taking a `TraceEvent` (picklable, for spawned ranks)."""
 
 
+def _sink_path(path: object) -> str:
+    text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
+    if not isinstance(text, str) or not text:
+        raise UsageError(
+            f"JsonLinesSink: 'path' must be a non-empty str or os.PathLike, the file every "
+            f"rank appends to (got {describe(path)})."
+        )
+    return text
+
+
 @attrs.frozen
 class JsonLinesSink:
     """Sink that appends each event as one JSON line to ``path`` (every rank to the same file).
@@ -80,9 +90,12 @@ class JsonLinesSink:
 
     Attributes:
         path: the file; created if missing, never truncated.
+
+    Raises:
+        UsageError: ``path`` is not a str or path-like.
     """
 
-    path: str = attrs.field(converter=os.fspath)
+    path: str = attrs.field(converter=_sink_path)
 
     def __call__(self, event: TraceEvent) -> None:
         # Opened per event: the record holds no file handle, and a killed rank loses nothing.
@@ -98,6 +111,14 @@ class JsonLinesSink:
             return [TraceEvent.from_json(line) for line in file if line.strip()]
 
 
+def _event_list(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, list):
+        raise UsageError(
+            f"ListSink: 'events' must be a list to append to (got {describe(value)}); "
+            "ListSink() starts with an empty one."
+        )
+
+
 @attrs.define(eq=False, repr=False)
 class ListSink:
     """Sink that keeps events in a list in this process (single-process use).
@@ -108,7 +129,7 @@ class ListSink:
         events: the events recorded so far, oldest first.
     """
 
-    events: list[TraceEvent] = attrs.field(factory=list)
+    events: list[TraceEvent] = attrs.field(factory=list, validator=_event_list)
 
     def __call__(self, event: TraceEvent) -> None:
         self.events.append(event)
@@ -202,7 +223,7 @@ def traced(strategy: Strategy, sink: Sink) -> Strategy:
         The strategy, each field wrapped in a recorder.
 
     Raises:
-        UsageError: ``sink`` is not callable.
+        UsageError: ``strategy`` is not a `Strategy`, or ``sink`` is not callable.
         CombinatorError: the strategy is already traced.
 
     Example:
@@ -214,6 +235,7 @@ def traced(strategy: Strategy, sink: Sink) -> Strategy:
         >>> [(e.field, e.rank, e.shapes) for e in sink.events]
         [('setup', 0, ()), ('reduce', 0, ((3,),))]
     """
+    check_strategy(strategy, "traced")
     if not callable(sink):
         raise UsageError(
             f"traced: 'sink' must be callable as sink(event) (got {describe(sink)}); use "

@@ -32,9 +32,9 @@ from typing_extensions import TypedDict, Unpack
 
 from stratagem import collectives, training
 from stratagem.devices import DeviceSpec
-from stratagem.env import Context
+from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
-from stratagem.spawn import Spawn
+from stratagem.spawn import Spawn, spawn_launcher
 from stratagem.strategies.ddp import ddp
 from stratagem.strategy import Strategy
 
@@ -158,9 +158,10 @@ def average_gradients(
             gradients as 16-bit values (cast back on arrival), or ``None``.
 
     Raises:
-        UsageError: a gradient is sparse.
+        UsageError: ``module`` is not a module, or a gradient is sparse.
     """
-    if not _distributed(ctx):
+    training.check_module(module, "update")
+    if not _distributed(check_context(ctx, "update")):
         return
     params = [p for p in module.parameters() if p.requires_grad]
     if not params:
@@ -217,7 +218,7 @@ def _bucket_mb(instance: object, attribute: attrs.Attribute[float], value: objec
 
 
 def _compression(instance: object, attribute: attrs.Attribute[str | None], value: object) -> None:
-    if value is not None and value not in COMPRESSIONS:
+    if value is not None and (not isinstance(value, str) or value not in COMPRESSIONS):
         raise UsageError(
             f"'compression' must be None (full precision) or one of "
             f"{', '.join(map(repr, COMPRESSIONS))} (got {describe(value)})."
@@ -239,6 +240,7 @@ class AllreduceThenStep:
     def __call__(
         self, optimizer: torch.optim.Optimizer, module: torch.nn.Module, ctx: Context
     ) -> None:
+        training.check_optimizer(optimizer, "update")  # before any collective: fail alike
         average_gradients(module, ctx, bucket_mb=self.bucket_mb, compression=self.compression)
         training.update(optimizer, module, ctx)
 
@@ -312,6 +314,9 @@ def allreduce_grads_spawn(
         start: the spawn launcher and its timeouts (default ``Spawn()``).
         **options: the keyword arguments of `allreduce_grads`.
 
+    Raises:
+        UsageError: ``start`` is not a `Spawn`, or an option is malformed.
+
     Example:
         >>> import attrs, stratagem as sg
         >>> spawned = sg.allreduce_grads_spawn(bucket_mb=8)
@@ -321,7 +326,9 @@ def allreduce_grads_spawn(
         True
     """
     return attrs.evolve(
-        allreduce_grads(**options), name="allreduce_grads_spawn", launch=start or Spawn()
+        allreduce_grads(**options),
+        name="allreduce_grads_spawn",
+        launch=spawn_launcher(start, "allreduce_grads_spawn"),
     )
 
 
@@ -362,8 +369,15 @@ def broadcast_optimizer_state(
         src: the rank whose state wins.
 
     Raises:
-        UsageError: ``src`` is not a rank of this world.
+        UsageError: ``optimizer`` is not an optimizer, ``ctx`` not a `Context`,
+            or ``src`` not a rank of this world.
     """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UsageError(
+            f"broadcast_optimizer_state: 'optimizer' must be a torch.optim.Optimizer (got "
+            f"{describe(optimizer)})."
+        )
+    check_context(ctx, "broadcast_optimizer_state")
     if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < ctx.world_size:
         raise UsageError(
             f"broadcast_optimizer_state: 'src' must be a rank in [0, {ctx.world_size}) "

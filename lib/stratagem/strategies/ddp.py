@@ -7,6 +7,7 @@ launch=Spawn())``: the launch field is the whole difference.
 from __future__ import annotations
 
 import gc
+import math
 import warnings
 from contextlib import AbstractContextManager
 from datetime import timedelta
@@ -25,10 +26,10 @@ from typing_extensions import TypedDict, Unpack
 
 from stratagem import training
 from stratagem.devices import DeviceSpec, check_device_spec, resolve_device
-from stratagem.env import Context, Env
+from stratagem.env import Context, Env, check_context, check_env
 from stratagem.errors import LaunchError, UsageError, describe
 from stratagem.sharding import shard_loader
-from stratagem.spawn import Spawn
+from stratagem.spawn import MAX_SECONDS, Spawn, spawn_launcher
 from stratagem.strategies.single import single_device
 from stratagem.strategy import Strategy
 
@@ -53,18 +54,28 @@ def _to_timedelta(value: float | timedelta) -> timedelta:
         raise UsageError(
             f"'timeout' must be seconds (a number) or a datetime.timedelta (got {describe(value)})."
         )
+    if not -MAX_SECONDS <= value <= MAX_SECONDS:  # NaN, infinity: timedelta cannot hold them
+        raise UsageError(_timeout_range(f"{value} seconds"))
     return timedelta(seconds=value)
+
+
+def _timeout_range(shown: str) -> str:
+    return (
+        f"'timeout' must be positive and at most {MAX_SECONDS} seconds (got {shown}); "
+        "a collective that waits longer has hung."
+    )
 
 
 def _positive_timeout(
     instance: object, attribute: attrs.Attribute[timedelta], value: timedelta
 ) -> None:
-    if value.total_seconds() <= 0:
-        raise UsageError(f"'timeout' must be positive (got {value.total_seconds()} seconds).")
+    # gloo refuses larger values (a negative count after conversion) deep inside init.
+    if not 0 < value.total_seconds() <= MAX_SECONDS:
+        raise UsageError(_timeout_range(f"{value.total_seconds()} seconds"))
 
 
 def _backend(instance: object, attribute: attrs.Attribute[str | None], value: object) -> None:
-    if value is not None and value not in BACKENDS:
+    if value is not None and (not isinstance(value, str) or value not in BACKENDS):
         raise UsageError(
             f"'backend' must be None (gloo on CPU, nccl on CUDA) or one of "
             f"{', '.join(map(repr, BACKENDS))} (got {describe(value)})."
@@ -78,6 +89,11 @@ class JoinProcessGroup:
     Every rank connects to the store at ``master_addr:master_port``; rank 0
     hosts it unless a launcher agent already does (``env.agent_store``). A
     world of one uses an in-memory store and needs no port.
+
+    Raises:
+        UsageError: ``env`` is not an `Env`, or the device is not available.
+        LaunchError: a multi-rank world without a port, a process group already
+            initialised, or a store that cannot be served or reached.
     """
 
     device: DeviceSpec = "auto"
@@ -87,6 +103,14 @@ class JoinProcessGroup:
     )
 
     def __call__(self, env: Env) -> Context:
+        check_env(env, "setup")
+        if env.world_size > 1 and env.master_port == 0:
+            # Port 0 would let rank 0's store pick any port, which the others cannot know.
+            raise LaunchError(
+                f"setup: a world of {env.world_size} needs a rendezvous port, but "
+                f"master_port is 0 ({env.source!r}); set MASTER_PORT, or launch with "
+                "ddp_spawn(), which picks one."
+            )
         device = resolve_device(self.device, env.local_rank)
         backend = self.backend or ("nccl" if device.type == "cuda" else "gloo")
         if dist.is_initialized():
@@ -134,6 +158,7 @@ def _store_failure(env: Env, hosting: bool, error: RuntimeError) -> str:
 
 def leave_process_group(ctx: Context) -> None:
     """Teardown field: destroy the process group once nothing uses it any more."""
+    check_context(ctx, "teardown")
     # A DDP reducer still alive when a gloo group is destroyed can deadlock: collect first.
     gc.collect()
     if dist.is_initialized():
@@ -141,11 +166,13 @@ def leave_process_group(ctx: Context) -> None:
 
 
 def _bucket_cap(instance: object, attribute: attrs.Attribute[float | None], value: object) -> None:
+    # DDP turns it into a byte count: NaN and infinity would fail there, at wrap, on every rank.
     if value is not None and (
-        isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
+        isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf
     ):
         raise UsageError(
-            f"'bucket_cap_mb' must be None or a positive number (got {describe(value)})."
+            f"'bucket_cap_mb' must be None or a positive number of MiB, finite "
+            f"(got {describe(value)})."
         )
 
 
@@ -203,6 +230,7 @@ def ddp_no_sync(module: torch.nn.Module, ctx: Context) -> AbstractContextManager
     Raises:
         UsageError: ``module`` is not the ``DistributedDataParallel`` that ``wrap`` returned.
     """
+    check_context(ctx, "no_sync")
     if not isinstance(module, DistributedDataParallel):
         raise UsageError(
             f"no_sync: 'module' must be the module wrap returned (a DistributedDataParallel), "
@@ -286,9 +314,12 @@ def ddp_spawn(*, start: Spawn | None = None, **options: Unpack[DDPArgs]) -> Stra
         start: the spawn launcher and its timeouts (default ``Spawn()``).
         **options: the keyword arguments of `ddp`.
 
+    Raises:
+        UsageError: ``start`` is not a `Spawn`, or an option is malformed.
+
     Example:
         >>> import attrs, stratagem as sg
         >>> attrs.evolve(sg.ddp_spawn(), name="ddp", launch=sg.ddp().launch) == sg.ddp()
         True
     """
-    return attrs.evolve(ddp(**options), name="ddp_spawn", launch=start or Spawn())
+    return attrs.evolve(ddp(**options), name="ddp_spawn", launch=spawn_launcher(start, "ddp_spawn"))

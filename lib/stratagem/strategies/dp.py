@@ -16,7 +16,7 @@ import torch
 from torch.nn.parallel import DataParallel
 
 from stratagem import training
-from stratagem.env import Context, Env
+from stratagem.env import Context, Env, check_env
 from stratagem.errors import LaunchError, UsageError, describe
 from stratagem.strategies.single import single_device
 from stratagem.strategy import Strategy
@@ -47,7 +47,7 @@ class UseDataParallelDevices:
     device_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_device_ids)
 
     def __call__(self, env: Env) -> Context:
-        if env.world_size != 1:
+        if check_env(env, "setup").world_size != 1:
             raise LaunchError(
                 f"dp() drives every GPU from one process, but {env.source!r} started a world "
                 f"of {env.world_size}; use ddp() to train on all of them."

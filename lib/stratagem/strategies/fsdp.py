@@ -25,10 +25,10 @@ from typing_extensions import TypedDict, Unpack
 
 from stratagem import training
 from stratagem.devices import DeviceSpec
-from stratagem.env import Context, Env
+from stratagem.env import Context, Env, check_context, check_env
 from stratagem.errors import UsageError, describe
 from stratagem.fields import SetupFn
-from stratagem.spawn import Spawn
+from stratagem.spawn import Spawn, spawn_launcher
 from stratagem.strategies.ddp import JoinProcessGroup, ddp
 from stratagem.strategies.shard_policies import (
     AboveParameters,
@@ -76,7 +76,7 @@ OPTIMIZER_BEFORE_WRAP = (
 
 
 def _check_shard_size(value: object) -> None:
-    if value in ("world", "node"):
+    if isinstance(value, str) and value in ("world", "node"):
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise UsageError(
@@ -135,6 +135,7 @@ class JoinMesh:
     shard_size: ShardSize = attrs.field(default="world", validator=_shard_size)
 
     def __call__(self, env: Env) -> Context:
+        check_env(env, "setup")
         mesh_shape(env, self.shard_size)  # a world that does not factor fails before joining
         ctx = self.join(env)
         return ctx.with_extras(mesh=device_mesh(ctx, self.shard_size))
@@ -211,7 +212,7 @@ class WrapFSDP:
             raise UsageError(
                 f"wrap: {type(module).__name__} is already sharded; wrap the plain module once."
             )
-        mesh = ctx.extras.get("mesh")
+        mesh = check_context(ctx, "wrap").extras.get("mesh")
         if mesh is None:
             raise UsageError(
                 "wrap: ctx.extras has no 'mesh'; pass the Context that fsdp().setup returned, "
@@ -253,6 +254,8 @@ def fsdp_update(optimizer: torch.optim.Optimizer, module: torch.nn.Module, ctx: 
     """
     from torch.distributed.tensor import DTensor
 
+    training.check_optimizer(optimizer, "update")
+    check_context(ctx, "update")
     for group in optimizer.param_groups:
         params = group["params"]
         if params and not isinstance(params[0], DTensor):
@@ -279,6 +282,7 @@ def fsdp_no_sync(module: torch.nn.Module, ctx: Context) -> AbstractContextManage
     Raises:
         UsageError: ``module`` is not the sharded module that ``wrap`` returned.
     """
+    check_context(ctx, "no_sync")
     if not is_sharded(module):
         raise UsageError(
             f"no_sync: 'module' must be the module wrap returned (an FSDPModule), "
@@ -305,11 +309,18 @@ def clip_grad_norm(
         The total norm before clipping, a plain tensor, the same on every rank.
 
     Raises:
-        UsageError: ``max_norm`` is not a positive number.
+        UsageError: ``module`` is not a module, or ``max_norm`` or ``norm_type``
+            is not a positive number.
     """
+    training.check_module(module, "clip_grad_norm")
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
         raise UsageError(
             f"clip_grad_norm: 'max_norm' must be a positive number (got {describe(max_norm)})."
+        )
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
+        raise UsageError(
+            f"clip_grad_norm: 'norm_type' must be a positive number, float('inf') for the "
+            f"largest entry (got {describe(norm_type)})."
         )
     params = [p for p in module.parameters() if p.grad is not None]
     grads = [p.grad for p in params if p.grad is not None]  # the test again, for the type checker
@@ -394,9 +405,14 @@ def fsdp_spawn(*, start: Spawn | None = None, **options: Unpack[FSDPArgs]) -> St
         start: the spawn launcher and its timeouts (default ``Spawn()``).
         **options: the keyword arguments of `fsdp`.
 
+    Raises:
+        UsageError: ``start`` is not a `Spawn`, or an option is malformed.
+
     Example:
         >>> import attrs
         >>> attrs.evolve(fsdp_spawn(), name="fsdp", launch=fsdp().launch) == fsdp()
         True
     """
-    return attrs.evolve(fsdp(**options), name="fsdp_spawn", launch=start or Spawn())
+    return attrs.evolve(
+        fsdp(**options), name="fsdp_spawn", launch=spawn_launcher(start, "fsdp_spawn")
+    )

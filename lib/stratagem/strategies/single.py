@@ -10,9 +10,10 @@ import torch
 
 from stratagem import checkpoint, collectives, training
 from stratagem.devices import DeviceSpec, check_device_spec, resolve_device
-from stratagem.env import Context, Env
-from stratagem.errors import LaunchError
+from stratagem.env import Context, Env, check_context, check_env
+from stratagem.errors import LaunchError, UsageError, describe
 from stratagem.launchers import in_place
+from stratagem.sharding import check_not_empty
 from stratagem.strategy import Strategy
 
 __all__ = ["UseDevice", "keep_loader", "leave", "single_device"]
@@ -27,7 +28,7 @@ class UseDevice:
     device: DeviceSpec = "auto"
 
     def __call__(self, env: Env) -> Context:
-        if env.world_size != 1:
+        if check_env(env, "setup").world_size != 1:
             raise LaunchError(
                 f"single_device() runs one process, but {env.source!r} started a world of "
                 f"{env.world_size}; use ddp() to train on all of them."
@@ -36,7 +37,12 @@ class UseDevice:
 
 
 def leave(ctx: Context) -> None:
-    """Teardown field of a world with nothing to release."""
+    """Teardown field of a world with nothing to release.
+
+    Raises:
+        UsageError: ``ctx`` is not a `Context` (as on N ranks).
+    """
+    check_context(ctx, "teardown")
 
 
 def single_device(device: DeviceSpec = "auto") -> Strategy:
@@ -84,5 +90,16 @@ def single_device(device: DeviceSpec = "auto") -> Strategy:
 
 
 def keep_loader(loader: Iterable[T], ctx: Context) -> Iterable[T]:
-    """Shard field of a world of one: the whole loader is this rank's share."""
+    """Shard field of a world of one: the whole loader is this rank's share.
+
+    Raises:
+        UsageError: ``loader`` is not iterable, is a DataLoader over an empty
+            dataset (as on N ranks), or ``ctx`` is not a `Context`.
+    """
+    check_context(ctx, "shard")
+    if not (hasattr(loader, "__iter__") or hasattr(loader, "__getitem__")):
+        raise UsageError(
+            f"shard: 'loader' must be iterable, e.g. a torch DataLoader (got {describe(loader)})."
+        )
+    check_not_empty(loader)
     return loader
