@@ -39,14 +39,54 @@ def samples_per_rank(loader: DataLoader, world_size: int) -> list[list[int]]:
     batch_size=st.integers(1, 7),
     shuffle=st.booleans(),
 )
-def test_without_drop_last_every_sample_goes_to_exactly_one_rank(
+def test_without_drop_last_every_sample_goes_to_one_rank_and_ranks_take_equal_steps(
     size, world_size, batch_size, shuffle
 ):
+    if size < world_size:
+        return  # refused: see test_fewer_samples_than_ranks_is_refused
     loader = DataLoader(TensorDataset(torch.arange(size)), batch_size=batch_size, shuffle=shuffle)
     seen = samples_per_rank(loader, world_size)
-    flat = sorted(x for share in seen for x in share)
-    assert flat == list(range(size))
+    flat = [x for share in seen for x in share]
+    assert len(flat) == len(set(flat))  # never twice
+    # Every sample, except a last global batch too small to give each rank one.
+    last = size % (world_size * batch_size)
+    left_out = last if last < world_size else 0
+    assert len(flat) == size - left_out
     assert max(map(len, seen)) - min(map(len, seen)) <= 1
+    batches = {-(-len(share) // batch_size) for share in seen}
+    assert len(batches) == 1  # no rank waits in a collective for a batch the others lack
+    lengths = {len(shard_loader(loader, rank_ctx(r, world_size))) for r in range(world_size)}
+    assert lengths == batches
+
+
+def test_fewer_samples_than_ranks_is_refused():
+    loader = DataLoader(TensorDataset(torch.arange(2)), batch_size=4)
+    with pytest.raises(sg.UsageError, match="2 sample\\(s\\), fewer than the 3 ranks"):
+        shard_loader(loader, rank_ctx(0, 3))
+
+
+def equal_steps(strategy: sg.StrategyLike, ctx: sg.Context) -> int:
+    """An epoch of real DDP steps over 5 samples in batches of 2 on 2 ranks."""
+    torch.manual_seed(0)
+    model = strategy.wrap(torch.nn.Linear(1, 1), ctx)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = TensorDataset(torch.arange(5.0).unsqueeze(1), torch.ones(5, 1))
+    steps = 0
+    for batch in strategy.shard(DataLoader(data, batch_size=2), ctx):
+        loss = strategy.step(
+            model, batch, ctx, forward=lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1])
+        )
+        strategy.backward(loss, model, ctx)
+        strategy.update(optimizer, model, ctx)
+        steps += 1
+    return steps
+
+
+def test_an_uneven_last_batch_does_not_leave_a_rank_waiting_under_ddp():
+    # Dealt plainly, rank 0 would get samples [0, 2, 4] (2 batches) and rank 1 [1, 3] (1):
+    # rank 0's second backward would wait for rank 1's gradients until the timeout.
+    strategy = sg.ddp_spawn(timeout=60)
+    assert sg.launch(equal_steps, strategy, devices=2) == [1, 1]
 
 
 @settings(max_examples=60, deadline=None)
@@ -59,6 +99,8 @@ def test_without_drop_last_every_sample_goes_to_exactly_one_rank(
 def test_with_drop_last_ranks_get_equal_whole_batches_and_no_sample_twice(
     size, world_size, batch_size, shuffle
 ):
+    if size < world_size:
+        return  # refused: see test_fewer_samples_than_ranks_is_refused
     loader = DataLoader(
         TensorDataset(torch.arange(size)), batch_size=batch_size, shuffle=shuffle, drop_last=True
     )

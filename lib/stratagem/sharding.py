@@ -54,6 +54,13 @@ def _rank(instance: Any, attribute: attrs.Attribute[int], value: object) -> None
     _below_world(value, getattr(instance, "world_size", None))
 
 
+def _optional_batch_size(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise UsageError(
+            f"ShardSampler.batch_size must be None or a positive int (got {describe(value)})."
+        )
+
+
 def _flag(instance: object, attribute: attrs.Attribute[bool], value: object) -> None:
     if not isinstance(value, bool):
         raise UsageError(
@@ -74,10 +81,19 @@ class ShardSampler:
     Each epoch draws one permutation of all indices (the same on every rank,
     from ``seed + epoch``) and deals it out: rank ``r`` takes positions
     ``start + r, start + r + world_size, ...``. Nothing is padded or repeated: with
-    ``drop_last=False`` every sample goes to exactly one rank and shares differ
+    ``drop_last=False`` every sample goes to at most one rank and shares differ
     by at most one sample; with ``drop_last=True`` the last
     ``len(dataset) % world_size`` samples of the permutation are left out so
     that every rank gets the same number.
+
+    ``batch_size`` (which `shard_loader` sets) also makes every rank yield the
+    same number of batches, so that no rank waits in a collective for a batch
+    the others do not have. Dealing already does that unless the epoch's last
+    global batch would hold fewer samples than there are ranks
+    (``0 < (size - start) % (world_size * batch_size) < world_size``): then those few
+    samples, at most ``world_size - 1``, are left out of the epoch (a
+    different few each shuffled epoch). Otherwise every sample goes to exactly
+    one rank.
 
     ``start`` skips the first positions of the permutation, which the world
     consumed before a checkpoint: ``world_size * batches * batch_size`` after
@@ -98,13 +114,26 @@ class ShardSampler:
     drop_last: bool = attrs.field(default=False, validator=_flag)
     epoch: int = attrs.field(default=0, validator=_count)
     start: int = attrs.field(default=0, validator=_count)
+    batch_size: int | None = attrs.field(default=None, validator=_optional_batch_size)
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the permutation of the next pass."""
         self.epoch = epoch
 
-    def _total(self) -> int:
-        return self.size - self.size % self.world_size if self.drop_last else self.size
+    def _kept(self) -> int:
+        """How many positions of the permutation, from ``start``, this pass deals out.
+
+        Counted from ``start``, because a position saved by a world of another
+        size need not be a multiple of this one's ``world_size * batch_size``.
+        """
+        remaining = max(0, self.size - self.start)
+        if self.drop_last:
+            return remaining - remaining % self.world_size
+        if self.batch_size is not None:
+            last = remaining % (self.world_size * self.batch_size)
+            if last < self.world_size:  # some rank would lack the last batch: leave it out
+                return remaining - last
+        return remaining
 
     def __iter__(self) -> Iterator[int]:
         if self.shuffle:
@@ -112,11 +141,11 @@ class ShardSampler:
             order = torch.randperm(self.size, generator=generator)
         else:
             order = torch.arange(self.size)
-        rest = order[: self._total()][self.start :]
+        rest = order[self.start : self.start + self._kept()]
         return iter(rest[self.rank :: self.world_size].tolist())
 
     def __len__(self) -> int:
-        return len(range(self.rank, max(0, self._total() - self.start), self.world_size))
+        return len(range(self.rank, self._kept(), self.world_size))
 
 
 @attrs.define
@@ -315,5 +344,12 @@ def shard_loader(loader: Iterable[T], ctx: Context) -> Iterable[T]:
         shuffle=isinstance(loader.sampler, RandomSampler),
         seed=_seed_of(loader),
         drop_last=loader.drop_last,
+        batch_size=loader.batch_size,
     )
+    if sampler.size < ctx.world_size:
+        raise UsageError(
+            f"shard: the DataLoader's dataset has {sampler.size} sample(s), fewer than the "
+            f"{ctx.world_size} ranks, so some rank would have no batch while the others wait "
+            "for it; use fewer ranks or more data."
+        )
     return ShardedLoader(loader=_rebuild(loader, sampler), sampler=sampler)
