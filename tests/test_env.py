@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -181,3 +182,7 @@ def test_the_kits_broken_environments_raise_naming_a_variable(environ):
     with pytest.raises(sg.EnvError) as info:
         sg.detect_env(environ)
     assert any(name in str(info.value) for name in environ)
+
+
+def test_a_context_takes_a_device_string():
+    assert sg.Context(env=sg.Env(), device="cpu").device == torch.device("cpu")

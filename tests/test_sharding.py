@@ -178,3 +178,19 @@ class Stream(IterableDataset):
 def test_what_cannot_be_sharded_says_how_to_do_it_by_hand(loader, message):
     with pytest.raises(sg.UsageError, match=message):
         shard_loader(loader, rank_ctx(0, 2))
+
+
+def test_numpy_integers_are_accepted_where_ints_are():
+    numpy = pytest.importorskip("numpy")
+    sampler = sg.ShardSampler(size=numpy.int64(10), rank=numpy.int64(1), world_size=2)
+    sampler.set_epoch(numpy.int64(3))
+    assert (sampler.size, sampler.rank, sampler.epoch) == (10, 1, 3)
+    assert type(sampler.epoch) is int
+
+
+def test_the_largest_generator_seed_shuffles_epoch_after_epoch():
+    generator = torch.Generator().manual_seed(2**64 - 1)
+    loader = DataLoader(TensorDataset(torch.arange(6)), shuffle=True, generator=generator)
+    sharded = shard_loader(loader, rank_ctx(0, 2))
+    epochs = [[int(x) for (batch,) in sharded for x in batch] for _ in range(3)]
+    assert all(len(epoch) == 3 for epoch in epochs)

@@ -98,3 +98,14 @@ def test_public_names_are_all_exported():
 def test_an_unknown_name_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no_such_strategy"):
         stratagem.no_such_strategy  # noqa: B018
+
+
+def test_subpackages_are_reachable_as_attributes_in_a_fresh_process():
+    # A resume script's first line may be sg.checkpoint.latest(...): nothing else loaded yet.
+    code = (
+        "import stratagem as sg; "
+        "print(sg.checkpoint.latest.__module__, sg.testing.World.__name__, "
+        "sg.combinators.checked.__name__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["stratagem.checkpoint.layout", "World", "checked"]

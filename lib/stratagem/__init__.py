@@ -157,11 +157,19 @@ __all__ = [
 ]
 
 
+# Subpackages a script reaches as attributes (``sg.checkpoint.latest(...)``): with
+# eager imports they were loaded as a side effect; lazily, they load on first use.
+_SUBPACKAGES = frozenset({"checkpoint", "combinators", "strategies", "testing"})
+
+
 def __getattr__(name: str) -> _typing.Any:
     module = _WHERE.get(name)
-    if module is None:
+    if module is not None:
+        value = getattr(_importlib.import_module(module), name)
+    elif name in _SUBPACKAGES:
+        value = _importlib.import_module(f"stratagem.{name}")
+    else:
         raise AttributeError(f"module 'stratagem' has no attribute {name!r}")
-    value = getattr(_importlib.import_module(module), name)
     globals()[name] = value  # the next lookup is a plain module attribute
     return value
 

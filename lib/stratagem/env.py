@@ -133,11 +133,21 @@ def _is_env(instance: object, attribute: attrs.Attribute[Env], value: object) ->
         )
 
 
+def _as_device(value: object) -> object:
+    """Turn a device string (``"cpu"``, ``"cuda:0"``) into a ``torch.device``; leave the rest."""
+    if isinstance(value, str):
+        try:
+            return torch.device(value)
+        except RuntimeError:
+            return value
+    return value
+
+
 def _is_device(instance: object, attribute: attrs.Attribute[torch.device], value: object) -> None:
     if not isinstance(value, torch.device):
         raise UsageError(
-            f"Context.device must be a torch.device (got {describe(value)}), e.g. "
-            "torch.device('cpu')."
+            f"Context.device must be a torch.device or a device string (got "
+            f"{describe(value)}), e.g. torch.device('cpu') or 'cuda:0'."
         )
 
 
@@ -163,7 +173,7 @@ class Context:
     """
 
     env: Env = attrs.field(validator=_is_env)
-    device: torch.device = attrs.field(validator=_is_device)
+    device: torch.device = attrs.field(converter=_as_device, validator=_is_device)
     group: dist.ProcessGroup | None = attrs.field(default=None, validator=_is_group)
     extras: Mapping[str, Any] = attrs.field(factory=dict, converter=_read_only)
 

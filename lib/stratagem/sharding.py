@@ -9,6 +9,7 @@ continues in the middle of an epoch with the batches it would have seen.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -24,6 +25,16 @@ __all__ = ["ShardSampler", "ShardedLoader", "check_not_empty", "shard_loader"]
 T = TypeVar("T")
 
 _SEEDS = 2**64  # torch generators take seeds modulo this; larger sums would overflow
+
+
+def _index(value: object) -> object:
+    """Turn an integer-like value (a numpy int, a 0-d int tensor) into an int; leave the rest."""
+    if isinstance(value, (bool, int)):
+        return value
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return value
 
 
 def _count(instance: object, attribute: attrs.Attribute[int], value: object) -> None:
@@ -106,15 +117,17 @@ class ShardSampler:
         UsageError: a field has the wrong type or range (``rank >= world_size``, ...).
     """
 
-    size: int = attrs.field(validator=_count)
-    rank: int = attrs.field(validator=_rank)
-    world_size: int = attrs.field(validator=_world_size)
+    size: int = attrs.field(converter=_index, validator=_count)
+    rank: int = attrs.field(converter=_index, validator=_rank)
+    world_size: int = attrs.field(converter=_index, validator=_world_size)
     shuffle: bool = attrs.field(default=False, validator=_flag)
-    seed: int = attrs.field(default=0, validator=_seed)
+    seed: int = attrs.field(converter=_index, default=0, validator=_seed)
     drop_last: bool = attrs.field(default=False, validator=_flag)
-    epoch: int = attrs.field(default=0, validator=_count)
-    start: int = attrs.field(default=0, validator=_count)
-    batch_size: int | None = attrs.field(default=None, validator=_optional_batch_size)
+    epoch: int = attrs.field(converter=_index, default=0, validator=_count)
+    start: int = attrs.field(converter=_index, default=0, validator=_count)
+    batch_size: int | None = attrs.field(
+        default=None, converter=_index, validator=_optional_batch_size
+    )
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the permutation of the next pass."""
@@ -208,7 +221,7 @@ class ShardedLoader:
             if self.loader.generator is not None:
                 # Workers' seeds come from this generator: per epoch, and never from the
                 # global RNG, whose state a resumed run restores.
-                self.loader.generator.manual_seed(self.sampler.seed + progress.epoch)
+                self.loader.generator.manual_seed((self.sampler.seed + progress.epoch) % _SEEDS)
         else:  # a user's DistributedSampler cannot skip: its batches are loaded and dropped
             skip = progress.start // self._positions_per_batch()
         for index, batch in enumerate(self.loader):

@@ -87,15 +87,15 @@ def check_optimizer(optimizer: object, function: str) -> None:
 
 
 def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    try:
-        return tensor.to(device, non_blocking=True)
-    except (RuntimeError, NotImplementedError) as error:  # a meta tensor, a missing device
+    # Only the meta case is the caller's mistake; other failures (out of memory, a
+    # device error) pass through unchanged, so that code catching them still can.
+    if tensor.is_meta and device.type != "meta":
         raise UsageError(
             f"a tensor of the batch (shape {tuple(tensor.shape)}, on {tensor.device}) cannot "
-            f"be moved to device {device} "
-            f"({type(error).__name__}: {str(error).splitlines()[0]}); build the batch from real "
-            "data (not on the meta device), on the CPU or on that device."
-        ) from None
+            f"be moved to device {device}: a meta tensor holds no data; build the batch from "
+            "real data, on the CPU or on that device."
+        )
+    return tensor.to(device, non_blocking=True)
 
 
 def move_batch(batch: Any, device: torch.device) -> Any:

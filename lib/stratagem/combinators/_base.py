@@ -33,7 +33,7 @@ class CombinatorError(StratagemError, ValueError):
 
 
 def check_strategy(strategy: object, combinator: str) -> Strategy:
-    """Return ``strategy`` if it is a `Strategy`, the only record ``attrs.evolve`` can derive from.
+    """Return ``strategy`` if it is a `Strategy`: combinators derive only from the record itself.
 
     Raises:
         UsageError: it is not.

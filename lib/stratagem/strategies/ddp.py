@@ -69,7 +69,8 @@ def _timeout_range(shown: str) -> str:
 def _positive_timeout(
     instance: object, attribute: attrs.Attribute[timedelta], value: timedelta
 ) -> None:
-    # gloo refuses larger values (a negative count after conversion) deep inside init.
+    # gloo refuses larger values (a negative count after conversion) deep inside init;
+    # the same bound for every backend, as no real collective should wait 11 days.
     if not 0 < value.total_seconds() <= MAX_SECONDS:
         raise UsageError(_timeout_range(f"{value.total_seconds()} seconds"))
 
