@@ -88,19 +88,17 @@ def launch(
         >>> sg.launch(hello, sg.single_device("cpu"), args=("hi",))
         ['hi from rank 0 of 1']
     """
-    if not callable(fn):
-        raise UsageError(f"launch: 'fn' must be callable (got {describe(fn)}).")
     if not isinstance(strategy, StrategyLike):
         raise UsageError(
             f"launch: 'strategy' must be a Strategy or have every Strategy field "
             f"(got {describe(strategy)})."
         )
     checked = _check_devices(devices)
-    if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
-        raise UsageError(f"launch: 'args' must be a tuple or list (got {describe(args)}).")
     if checked == "auto":
         env = detect_env(os.environ)
         checked = env.local_world_size if env.is_distributed else 1
+    # Checked here too, not only in the built-in launch fields: a user's field may not.
+    check_field_arguments(fn, checked, args)
     return strategy.launch(fn, strategy, checked, tuple(args))
 
 
