@@ -7,8 +7,6 @@ example); these are the plain-PyTorch meaning of each field.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -16,6 +14,7 @@ import torch
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
 from stratagem.fields import ForwardFn
+from stratagem.trees import map_tensors
 
 __all__ = [
     "backward",
@@ -100,31 +99,18 @@ def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def move_batch(batch: Any, device: torch.device) -> Any:
     """`move_to_device` for a ``device`` known to be a ``torch.device`` (a context's): no check."""
-    # The common cases first, with cheap checks: this runs on every step.
+    # A plain tensor first, without a walk: this runs on every step.
     if isinstance(batch, torch.Tensor):
         return batch if batch.device == device else _moved(batch, device)
-    if isinstance(batch, tuple):
-        moved = [move_batch(v, device) for v in batch]
-        return type(batch)(*moved) if hasattr(batch, "_fields") else tuple(moved)
-    if isinstance(batch, list):
-        return [move_batch(v, device) for v in batch]
-    if isinstance(batch, Mapping):
-        return type(batch)({k: move_batch(v, device) for k, v in batch.items()})  # type: ignore[call-arg]
-    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        changes = {
-            f.name: move_batch(getattr(batch, f.name), device)
-            for f in dataclasses.fields(batch)
-            if f.init
-        }
-        return dataclasses.replace(batch, **changes)
-    return batch
+    return map_tensors(lambda t: t if t.device == device else _moved(t, device), batch)
 
 
 def move_to_device(batch: Any, device: torch.device | str) -> Any:
     """Return ``batch`` with every tensor inside it moved to ``device``.
 
-    Looks inside tuples (named ones too), lists, dicts and dataclass instances;
-    anything else is returned as it is. A tensor already on ``device`` is not copied.
+    Looks inside tuples (named ones too), lists, mappings and dataclass
+    instances, as `stratagem.trees.map_tensors` does; anything else is returned
+    as it is. A tensor already on ``device`` is not copied.
 
     Raises:
         UsageError: ``device`` is not a device, or a tensor cannot be moved

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from stratagem.checkpoint.api import blob_paths, checked_path, decoded, open_che
 from stratagem.checkpoint.entries import RNG_KEY, Kind
 from stratagem.checkpoint.matching import layout_of
 from stratagem.env import Context, Env
+from stratagem.trees import map_tensors
 
 __all__ = ["Description", "TensorInfo", "describe"]
 
@@ -55,27 +57,75 @@ class Description:
     rng_ranks: tuple[int, ...]
 
     def __str__(self) -> str:
+        """Render entries and their keys sorted, each tensor or value as a one-line summary."""
         lines = [
             f"{self.path}",
             f"  saved {self.saved_at:%Y-%m-%d %H:%M:%S} UTC by {self.world_size} rank(s); "
             f"RNG states of ranks {list(self.rng_ranks)}",
         ]
-        for name, kind in self.entries.items():
-            lines.append(f"  {name} ({kind})")
+        for name in sorted(self.entries, key=_natural):
+            lines.append(f"  {name} ({self.entries[name]})")
             prefix = f"{name}/"
-            lines += [
-                f"    {k[len(prefix) :]}: {v}"
-                for k, v in self.tensors.items()
-                if k.startswith(prefix)
-            ]
-            lines += [
-                f"    {k[len(prefix) :]} = {v!r}"
-                for k, v in self.values.items()
-                if k.startswith(prefix)
-            ]
+            shown = {
+                k[len(prefix) :]: f": {v}" for k, v in self.tensors.items() if k.startswith(prefix)
+            }
+            for key, value in self.values.items():
+                if key.startswith(prefix):
+                    shown.update(_value_lines(key[len(prefix) :], value))
             if name in self.values:
-                lines.append(f"    = {self.values[name]!r}")
+                shown.update(_value_lines("", self.values[name]))
+            lines += [f"    {key}{text}" for key, text in sorted(shown.items(), key=_by_key)]
         return "\n".join(lines)
+
+
+_WIDTH = 60  # characters of a value's repr shown; the rest is cut to "..."
+_CHEAP = 1 << 24  # elements of a tensor in memory up to which min/max/mean are worth computing
+
+
+def _natural(key: str) -> list[str | int]:
+    """Return a sort key: text as text, runs of digits by value (``2.w`` before ``10.w``)."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key)]
+
+
+def _by_key(item: tuple[str, str]) -> list[str | int]:
+    return _natural(item[0])
+
+
+@attrs.frozen
+class _Summary:
+    """A tensor read from a checkpoint, shown as dtype, shape and (if cheap) min/max/mean."""
+
+    tensor: torch.Tensor
+
+    def __repr__(self) -> str:
+        tensor = self.tensor
+        text = str(TensorInfo(tuple(tensor.shape), tensor.dtype))
+        if (
+            tensor.is_floating_point()
+            and 0 < tensor.numel() <= _CHEAP
+            and tensor.device.type == "cpu"
+        ):
+            low, high, mean = (
+                float(f(tensor.detach().float())) for f in (torch.min, torch.max, torch.mean)
+            )
+            text += f" min={low:.4g} max={high:.4g} mean={mean:.4g}"
+        return text
+
+
+def _brief(value: Any) -> str:
+    """Return one line for a plain value: tensors in it summarised, the repr cut to `_WIDTH`."""
+    text = " ".join(repr(map_tensors(_Summary, value)).split("\n"))
+    return text if len(text) <= _WIDTH else text[: _WIDTH - 3] + "..."
+
+
+def _value_lines(key: str, value: Any) -> dict[str, str]:
+    """Return the lines of a value under ``key``: a non-empty mapping's items one by one."""
+    if isinstance(value, Mapping) and value:
+        lines: dict[str, str] = {}
+        for name, item in value.items():
+            lines.update(_value_lines(f"{key}/{name}" if key else str(name), item))
+        return lines
+    return {key: f" = {_brief(value)}" if key else f"= {_brief(value)}"}
 
 
 def describe(path: str | os.PathLike[str]) -> Description:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Literal
 
@@ -9,15 +11,17 @@ import attrs
 import torch
 
 from stratagem.combinators._base import CombinatorError, applied, check_strategy
-from stratagem.env import Context, Env, check_context
+from stratagem.env import Context, Env, check_context, check_env
 from stratagem.errors import UsageError, describe
 from stratagem.fields import BackwardFn, ForwardFn, NoSyncFn, SetupFn, StepFn, UpdateFn
 from stratagem.strategy import Strategy
 from stratagem.training import check_loss, check_module, check_optimizer
 
-__all__ = ["AccumulationState", "Normalize", "accumulate"]
+__all__ = ["AccumulationState", "Every", "Normalize", "accumulate"]
 
 Normalize = Literal["mean", "sum", "count"]
+Every = int | Callable[[int], int]
+"""Micro-batches per optimizer step on each rank, or a function of the world size giving them."""
 
 
 @attrs.define
@@ -53,15 +57,31 @@ def _state(ctx: Context, function: str) -> AccumulationState:
     return state
 
 
+def _resolved(every: Every, world_size: int) -> int:
+    if isinstance(every, int):
+        return every
+    value = every(world_size)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(
+            f"accumulate: 'every' returned {value!r} ({type(value).__name__}) for world size "
+            f"{world_size}; it must return a positive int, the micro-batches per optimizer step "
+            "on each rank, e.g. max(1, global_micro_batches // world_size)."
+        )
+    return value
+
+
 @attrs.frozen
 class AccumulationSetup:
-    """Setup: add the per-run `AccumulationState`."""
+    """Setup: add the per-run `AccumulationState`, resolving a function ``every`` by world size."""
 
     inner: SetupFn
-    every: int
+    every: Every
 
     def __call__(self, env: Env) -> Context:
-        return self.inner(env).with_extras(accumulation=AccumulationState(self.every))
+        # Resolved before the inner setup joins the world: a bad count fails every rank alike,
+        # with no process group left behind.
+        every = _resolved(self.every, check_env(env, "setup").world_size)
+        return self.inner(env).with_extras(accumulation=AccumulationState(every))
 
 
 @attrs.frozen
@@ -126,7 +146,34 @@ class AccumulationUpdate:
             state.count = None
 
 
-def accumulate(strategy: Strategy, every: int, *, normalize: Normalize = "mean") -> Strategy:
+def _takes_the_world_size(every: Callable[..., Any]) -> bool:
+    try:
+        inspect.signature(every).bind(1)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (some builtins): let setup call it and see
+        return True
+    return True
+
+
+def _check_every(every: object) -> Every:
+    if callable(every):
+        if not _takes_the_world_size(every):
+            raise UsageError(
+                f"accumulate: 'every' must be a positive int or a function of the world size, "
+                f"called as every(world_size) (got {describe(every)}, which cannot take one "
+                "argument); e.g. every=lambda world_size: max(1, 8 // world_size)."
+            )
+        return every
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise UsageError(
+            f"accumulate: 'every' must be a positive int or a function of the world size "
+            f"(got {describe(every)})."
+        )
+    return every
+
+
+def accumulate(strategy: Strategy, every: Every, *, normalize: Normalize = "mean") -> Strategy:
     """Accumulate gradients over ``every`` micro-batches; the loop calls each field per micro-batch.
 
     Gradient synchronisation is suspended (the inner ``no_sync``) for all but
@@ -141,14 +188,32 @@ def accumulate(strategy: Strategy, every: int, *, normalize: Normalize = "mean")
     Fields touched: ``setup`` (an `AccumulationState` in
     ``ctx.extras["accumulation"]``), ``step``, ``backward``, ``update``.
 
+    Args:
+        strategy: the strategy to accumulate over.
+        every: micro-batches per optimizer step on each rank; or a function
+            ``every(world_size) -> int`` that setup calls with its `Env`'s world
+            size, for a count derived from a global batch (64 sequences, 8 per
+            rank per micro-batch: ``lambda world_size: 64 // (8 * world_size)``).
+            Spawned ranks receive it pickled: there, pass a module-level function.
+        normalize: what each micro-batch's loss is divided by (above).
+
+    Returns:
+        The strategy with the four fields wrapped.
+
     Raises:
-        UsageError: ``strategy`` is not a `Strategy`, ``every`` is not a positive
-            int, or ``normalize`` is unknown.
+        UsageError: ``strategy`` is not a `Strategy`, ``every`` is neither a
+            positive int nor a function of one argument, or ``normalize`` is
+            unknown; at setup, the function ``every`` returned no positive int.
         CombinatorError: the strategy already accumulates.
+
+    Example:
+        >>> import stratagem as sg
+        >>> strategy = sg.accumulate(sg.single_device("cpu"), lambda world_size: 8 // world_size)
+        >>> strategy.setup(sg.Env()).extras["accumulation"].every
+        8
     """
     check_strategy(strategy, "accumulate")
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise UsageError(f"accumulate: 'every' must be a positive int (got {describe(every)}).")
+    every = _check_every(every)
     if not isinstance(normalize, str) or normalize not in ("mean", "sum", "count"):
         raise UsageError(
             f"accumulate: 'normalize' must be 'mean', 'sum' or 'count' (got {describe(normalize)})."
@@ -157,9 +222,10 @@ def accumulate(strategy: Strategy, every: int, *, normalize: Normalize = "mean")
         raise CombinatorError(
             f"accumulate: strategy {strategy.name!r} already accumulates; apply it once."
         )
+    shown = every if isinstance(every, int) else "(by world size)"
     return attrs.evolve(
         strategy,
-        name=f"{strategy.name}+accumulate{every}",
+        name=f"{strategy.name}+accumulate{shown}",
         setup=AccumulationSetup(strategy.setup, every),
         step=AccumulationStep(strategy.step, strategy.no_sync),
         backward=AccumulationBackward(strategy.backward, normalize),

@@ -48,8 +48,17 @@ class ClipSetup:
         return self.inner(env).with_extras(clipping=ClipState())
 
 
-def _parameters(optimizer: Any) -> list[torch.Tensor]:
-    return [p for group in root_optimizer(optimizer).param_groups for p in group["params"]]
+def _parameters(optimizer: Any, module: object) -> list[torch.Tensor]:
+    """Return the optimizer's parameters in ``module.parameters()`` order, then the rest."""
+    # The order of the norm's sum shows in its last bits: the module's order is the one a
+    # hand-written loop uses (clip_grad_norm_(model.parameters(), ...)), so theirs match ours.
+    held = [p for group in root_optimizer(optimizer).param_groups for p in group["params"]]
+    if not isinstance(module, torch.nn.Module):
+        return held
+    ids = {id(p) for p in held}
+    ordered = [p for p in module.parameters() if id(p) in ids]
+    seen = {id(p) for p in ordered}
+    return ordered + [p for p in held if id(p) not in seen]
 
 
 @attrs.frozen
@@ -71,7 +80,7 @@ class ClipUpdate:
             precision = ctx.extras.get("precision")
             if isinstance(precision, PrecisionState):
                 precision.unscale(optimizer)  # clip what the optimizer will see, not scaled values
-            parameters = _parameters(optimizer)
+            parameters = _parameters(optimizer, module)
             if self.max_norm is not None:
                 # DTensor-aware: on sharded (FSDP) gradients the norm is the global one.
                 norm = torch.nn.utils.clip_grad_norm_(
@@ -117,6 +126,10 @@ def with_clipping(
     runs inside the optimizer step of the inner update, so gradients are
     clipped after they are synchronised (DDP, all-reduce strategies) and
     unscaled (``"16-mixed"``, in whichever order the combinators were applied).
+    The norm is summed over the optimizer's parameters in the module's order
+    (``module.parameters()``, then any the module does not hold), so it equals
+    ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` of a
+    hand-written loop bit for bit, whatever order the optimizer lists them in.
 
     Raises:
         UsageError: ``strategy`` is not a `Strategy`, neither bound is given, or a

@@ -22,6 +22,7 @@ from stratagem.fields import BackwardFn, ForwardFn, SetupFn, StepFn, UpdateFn, W
 from stratagem.strategies.fsdp import WrapFSDP
 from stratagem.strategy import Strategy
 from stratagem.training import check_loss, check_optimizer, move_batch
+from stratagem.trees import map_tensors
 
 __all__ = ["Precision", "PrecisionState", "with_precision"]
 
@@ -110,13 +111,8 @@ class PrecisionWrap:
 
 
 def _cast_floats(batch: Any, dtype: torch.dtype) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(dtype) if batch.is_floating_point() else batch
-    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
-        return type(batch)(_cast_floats(v, dtype) for v in batch)
-    if isinstance(batch, dict):
-        return {k: _cast_floats(v, dtype) for k, v in batch.items()}
-    return batch
+    # The batch walk of move_batch: a NamedTuple or dataclass batch is cast like a tuple.
+    return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, batch)
 
 
 @attrs.frozen

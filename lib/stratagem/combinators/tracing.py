@@ -10,16 +10,16 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import attrs
-import torch
 
 from stratagem.combinators._base import CombinatorError, applied, check_strategy
 from stratagem.env import Context, Env
 from stratagem.errors import UsageError, describe
 from stratagem.strategy import FIELD_SIGNATURES, Strategy
+from stratagem.trees import tensors_in
 
 __all__ = ["JsonLinesSink", "ListSink", "Sink", "TraceEvent", "Traced", "traced"]
 
@@ -35,8 +35,9 @@ class TraceEvent:
         rank: the caller's global rank, from the call's `Context` or `Env`;
             ``None`` for ``launch`` (it runs before ranks exist).
         shapes: shapes of the tensors among the arguments, in order, looking
-            inside lists, tuples and dicts (a batch's leaves); modules,
-            optimizers and other objects are left out.
+            inside tuples (named ones too), lists, mappings and dataclass
+            instances, as `stratagem.trees.tensors_in` does (a batch's leaves);
+            modules, optimizers and other objects are left out.
         dtypes: the dtypes of those tensors, as strings.
         started: wall-clock time of the call, seconds since the epoch (to
             order events of different ranks).
@@ -145,17 +146,6 @@ class ListSink:
         )
 
 
-def _tensors(value: Any, out: list[torch.Tensor]) -> None:
-    if isinstance(value, torch.Tensor):
-        out.append(value)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            _tensors(item, out)
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            _tensors(item, out)
-
-
 def _rank(args: tuple[Any, ...]) -> int | None:
     for value in args:
         if isinstance(value, (Context, Env)):
@@ -189,9 +179,10 @@ class Traced:
             raise
         finally:
             duration = time.perf_counter() - start
-            tensors: list[torch.Tensor] = []
-            _tensors(args, out=tensors)
-            _tensors([v for k, v in kwargs.items() if k != "forward"], out=tensors)
+            tensors = [
+                *tensors_in(args),
+                *tensors_in([v for k, v in kwargs.items() if k != "forward"]),
+            ]
             self.sink(
                 TraceEvent(
                     field=self.field,

@@ -87,6 +87,12 @@ def dp(*, device_ids: Sequence[int] | None = None) -> Strategy:
     The collectives are those of a world of one. On a machine without CUDA
     it runs on the CPU, equal to ``single_device("cpu")``.
 
+    ``DataParallel`` holds the module as its ``module`` attribute, so torch's
+    ``get_model_state_dict(model)`` of the wrapped model has ``module.``-prefixed
+    keys (``module.weight``), where ``ddp()`` and ``fsdp()`` give the plain ones.
+    Take a state dict of ``sg.unwrap(model)``, the plain module, for the plain
+    keys; ``sg.checkpoint.save`` already stores plain keys under every strategy.
+
     Args:
         device_ids: GPU indices to use, the first one holding the module;
             ``None`` uses every visible GPU (or the CPU when there is none).
@@ -105,6 +111,8 @@ def dp(*, device_ids: Sequence[int] | None = None) -> Strategy:
         >>> model = strategy.wrap(torch.nn.Linear(2, 1), ctx)
         >>> type(model).__name__, strategy.step(model, torch.ones(3, 2), ctx).shape
         ('DataParallel', torch.Size([3, 1]))
+        >>> sorted(model.state_dict()), sorted(sg.unwrap(model).state_dict())
+        (['module.bias', 'module.weight'], ['bias', 'weight'])
     """
     ids = _device_ids(device_ids)
     # Replicas' gradients are summed in backward: no_sync has nothing to defer, as on one device.
