@@ -14,8 +14,10 @@ import importlib as _importlib
 import typing as _typing
 
 if _typing.TYPE_CHECKING:
+    from stratagem.arrivals import CollectiveCallError as CollectiveCallError
     from stratagem.checkpoint.entries import unwrap as unwrap
     from stratagem.checkpoint.layout import CheckpointError as CheckpointError
+    from stratagem.checkpoint.owners import per_rank as per_rank
     from stratagem.combinators._base import CombinatorError as CombinatorError
     from stratagem.combinators.accumulation import accumulate as accumulate
     from stratagem.combinators.checked import CollectiveMismatchError as CollectiveMismatchError
@@ -39,6 +41,7 @@ if _typing.TYPE_CHECKING:
     from stratagem.errors import UsageError as UsageError
     from stratagem.fields import ReduceOp as ReduceOp
     from stratagem.launchers import launch as launch
+    from stratagem.script import joined as joined
     from stratagem.sharding import ShardedLoader as ShardedLoader
     from stratagem.sharding import ShardSampler as ShardSampler
     from stratagem.spawn import Spawn as Spawn
@@ -65,8 +68,11 @@ __version__ = "0.1.0"
 # Where each public name lives; the TYPE_CHECKING imports above must agree
 # (tests/test_structure.py checks).
 _WHERE: dict[str, str] = {
+    "CollectiveCallError": "stratagem.arrivals",
+    "joined": "stratagem.script",
     "CheckpointError": "stratagem.checkpoint.layout",
     "unwrap": "stratagem.checkpoint.entries",
+    "per_rank": "stratagem.checkpoint.owners",
     "CollectiveMismatchError": "stratagem.combinators.checked",
     "CombinatorError": "stratagem.combinators._base",
     "JsonLinesSink": "stratagem.combinators.tracing",
@@ -112,6 +118,7 @@ _WHERE: dict[str, str] = {
 
 __all__ = [
     "CheckpointError",
+    "CollectiveCallError",
     "CollectiveMismatchError",
     "CombinatorError",
     "Context",
@@ -147,8 +154,10 @@ __all__ = [
     "every_module_of",
     "fsdp",
     "fsdp_spawn",
+    "joined",
     "launch",
     "move_to_device",
+    "per_rank",
     "single_device",
     "traced",
     "unwrap",

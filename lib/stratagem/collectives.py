@@ -12,11 +12,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stratagem.arrivals import arrive
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
 from stratagem.fields import REDUCE_OPS, ReduceOp
 
-__all__ = ["barrier", "broadcast", "gather", "reduce"]
+__all__ = ["barrier", "broadcast", "expect_everyone", "gather", "reduce"]
 
 _TORCH_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -206,11 +207,27 @@ def broadcast(obj: Any, ctx: Context, *, src: int = 0) -> Any:
     return data.to(dtype)
 
 
+def expect_everyone(ctx: Context, what: str, *, series: str = "") -> None:
+    """Wait until every rank has reached ``what``, or raise naming those that did not.
+
+    The first step of every collective that users call from their own code
+    (`save`, `load`, `barrier`): a call made on some ranks only fails within
+    ``ctx.arrivals.timeout`` seconds instead of hanging (`stratagem.arrivals`).
+
+    Raises:
+        CollectiveCallError: some ranks did not arrive in time (`NOT_CALLED_BY_ALL`).
+    """
+    if ctx.arrivals is not None and _distributed(ctx):
+        arrive(ctx.arrivals, what, ctx.rank, ctx.world_size, series=series)
+
+
 def barrier(ctx: Context) -> None:
     """Return once every rank has called it (immediately on a world of one).
 
     Raises:
         UsageError: ``ctx`` is not a `Context`.
+        CollectiveCallError: some ranks did not call it within ``ctx.arrivals.timeout``.
     """
     if _distributed(check_context(ctx, "barrier")):
+        expect_everyone(ctx, "barrier")
         dist.barrier(group=ctx.group)

@@ -15,6 +15,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from stratagem.arrivals import Arrivals
 from stratagem.errors import EnvError, UsageError, describe
 
 __all__ = ["Context", "Env", "EnvSource", "check_context", "check_env", "detect_env"]
@@ -159,6 +160,14 @@ def _is_group(instance: object, attribute: attrs.Attribute[Any], value: object) 
         )
 
 
+def _is_arrivals(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and not isinstance(value, Arrivals):
+        raise UsageError(
+            f"Context.arrivals must be None or an Arrivals (got {describe(value)}); the "
+            "setup that joins the world builds it."
+        )
+
+
 @attrs.frozen(kw_only=True)
 class Context:
     """A joined world: the `Env`, this process's device and its process group.
@@ -166,6 +175,9 @@ class Context:
     `setup` returns it; every other field of a strategy receives it. It is
     frozen; per-run objects that combinators need (a ``GradScaler``, a device
     mesh) live in ``extras``, a read-only mapping added to with `with_extras`.
+    ``arrivals`` lets `save`, `load` and `barrier` find out within a bounded
+    time that some ranks did not call them (`stratagem.arrivals`); a Context
+    built by hand has none, and those calls then wait as the backend does.
 
     Raises:
         UsageError: a field has the wrong type (``env`` not an `Env`, ``device``
@@ -176,6 +188,7 @@ class Context:
     device: torch.device = attrs.field(converter=_as_device, validator=_is_device)
     group: dist.ProcessGroup | None = attrs.field(default=None, validator=_is_group)
     extras: Mapping[str, Any] = attrs.field(factory=dict, converter=_read_only)
+    arrivals: Arrivals | None = attrs.field(default=None, validator=_is_arrivals, repr=False)
 
     def with_extras(self, **extras: Any) -> Context:
         """Return a copy with more per-run state (a grad scaler, a mesh, ...), keyed by name.

@@ -3,7 +3,9 @@
 ``save(path, state, ctx)`` writes a directory; ``load(path, state, ctx)``
 restores modules, optimizers and objects in place and returns the plain
 values; ``describe(path)`` lists what a checkpoint holds; ``latest(dir)``
-finds the newest one. See ``docs/checkpoints.md``.
+finds the newest one; ``per_rank(value)`` marks an entry each rank saves and
+restores for itself (every other entry is saved from rank 0). See
+``docs/checkpoints.md``.
 """
 
 from stratagem.checkpoint.api import load as load
@@ -11,6 +13,8 @@ from stratagem.checkpoint.api import save as save
 from stratagem.checkpoint.entries import unwrap as unwrap
 from stratagem.checkpoint.layout import CheckpointError as CheckpointError
 from stratagem.checkpoint.layout import latest as latest
+from stratagem.checkpoint.owners import PerRank as PerRank
+from stratagem.checkpoint.owners import per_rank as per_rank
 from stratagem.checkpoint.summary import Description as Description
 from stratagem.checkpoint.summary import TensorInfo as TensorInfo
 from stratagem.checkpoint.summary import describe as describe
@@ -18,10 +22,12 @@ from stratagem.checkpoint.summary import describe as describe
 __all__ = [
     "CheckpointError",
     "Description",
+    "PerRank",
     "TensorInfo",
     "describe",
     "latest",
     "load",
+    "per_rank",
     "save",
     "unwrap",
 ]

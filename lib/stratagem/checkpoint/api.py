@@ -5,18 +5,28 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
+import torch.distributed as dist
 
 from stratagem import collectives
 from stratagem.checkpoint import layout
 from stratagem.checkpoint import rng as rng_states
-from stratagem.checkpoint.entries import KINDS, RNG_KEY, Entry, Kind, classify, saved_state
+from stratagem.checkpoint.entries import (
+    KINDS,
+    PER_RANK_KINDS,
+    RNG_KEY,
+    Entry,
+    Kind,
+    classify,
+    saved_state,
+)
 from stratagem.checkpoint.layout import CheckpointError, Found
 from stratagem.checkpoint.matching import Mismatch, layout_of, match
+from stratagem.checkpoint.owners import differing_replicas, refuse_differing, written_by_this_rank
 from stratagem.checkpoint.safety import decode, read_metadata
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
@@ -86,32 +96,44 @@ def save(
     *,
     keep_last: int | None = None,
     rng: bool = True,
+    verify: bool = False,
 ) -> None:
     """Write ``state`` to the directory ``path``, atomically, on every rank of ``ctx``.
 
-    Every rank writes its shards into ``path.tmp-<token>`` beside ``path``;
-    after a barrier rank 0 writes the manifest and renames the directory into
-    place (see `stratagem.checkpoint.layout`). A save that fails or is killed
-    leaves the previous checkpoint at ``path`` loadable and unchanged.
+    Replicated entries (all but sharded tensors and `per_rank` entries) are
+    written from rank 0, whole; each rank writes its own shards and per-rank
+    entries (see `stratagem.checkpoint.owners`). Every rank writes into
+    ``path.tmp-<token>`` beside ``path``; after a barrier rank 0 writes the
+    manifest and renames the directory into place (see
+    `stratagem.checkpoint.layout`). A save that fails or is killed leaves the
+    previous checkpoint at ``path`` loadable and unchanged.
 
     Args:
         path: the checkpoint directory; the same on every rank (a shared filesystem).
         state: modules, optimizers, objects with ``state_dict``/``load_state_dict``
             and plain values, by name.
-        ctx: the joined world; every rank must call ``save``.
+        ctx: the joined world; every rank must call ``save`` (a rank that
+            finds others absent after ``ctx.arrivals.timeout`` seconds raises
+            `CollectiveCallError` naming them).
         keep_last: after the save, keep only this many newest checkpoints in
             ``path``'s parent directory (``None``: keep all).
         rng: also record every rank's RNG states (Python, NumPy, torch).
+        verify: first compare every replicated entry across ranks, and refuse
+            to save (writing nothing) if any differs; the error lists them by
+            key (``model/1.running_mean``). Costs one gather of fingerprints.
 
     Raises:
-        UsageError: ``path``, ``state``, ``ctx``, ``keep_last`` or ``rng`` is
-            malformed, a plain value is not storable safely, or an optimizer's
-            module is not in ``state``.
-        CheckpointError: writing failed, or ``path`` exists and is not a checkpoint.
+        UsageError: ``path``, ``state``, ``ctx``, ``keep_last``, ``rng`` or
+            ``verify`` is malformed, a plain value is not storable safely, or
+            an optimizer's module is not in ``state``.
+        CheckpointError: writing failed, ``path`` exists and is not a
+            checkpoint, or (``verify``) replicated entries differ across ranks.
+        CollectiveCallError: some ranks did not call ``save``.
     """
+    collectives.expect_everyone(check_context(ctx, "save"), "save")
     target = checked_path(path, "save")
-    check_context(ctx, "save")
     _check_flag(rng, "rng", "save")
+    _check_flag(verify, "verify", "save")
     if keep_last is not None and (
         isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
     ):
@@ -120,25 +142,40 @@ def save(
         )
     entries = classify(state, "save")
     saved: dict[str, Any] = {}
+    ties: dict[str, dict[str, str]] = {}
     error: Exception | None = None
     try:
-        saved = saved_state(entries, ctx, with_rng=rng)
+        saved, ties = saved_state(entries, ctx, with_rng=rng)
     except UsageError as caught:
         error = caught
     agree(ctx, error)
+    per_rank = {e.name for e in entries if e.kind in PER_RANK_KINDS} | ({RNG_KEY} if rng else set())
+    if verify:
+        report = differing_replicas(
+            saved,
+            {e.name for e in entries if e.name not in per_rank},
+            {e.name for e in entries if e.kind in ("object", "value")},
+            ctx,
+        )
+        if report is not None:
+            raise refuse_differing(report)
     from stratagem.checkpoint import engine  # imports DCP (a second): only once it is needed
 
     tmp = on_main(ctx, lambda: _begin(target))
     manifest = {
         "entries": {e.name: e.kind for e in entries},
+        "tied": ties,
         "world_size": ctx.world_size,
         "rng": rng,
         "torch": torch.__version__,
     }
     try:
         layout.stage_hook("writing")
-        engine.write(tmp, saved, ctx)
-        collectives.barrier(ctx)  # every rank has written its files
+        engine.write(tmp, written_by_this_rank(saved, per_rank, ctx), ctx)
+        # Every rank has written its files. Not collectives.barrier: all ranks are known to be
+        # here, and one writing a larger share may take longer than the arrival timeout.
+        if ctx.group is not None and ctx.world_size > 1:
+            dist.barrier(group=ctx.group)
         layout.stage_hook("written")
         on_main(ctx, lambda: layout.commit(tmp, target, manifest, keep_last))
     except BaseException:
@@ -181,10 +218,20 @@ def open_checkpoint(target: Path) -> tuple[Found, Metadata]:
     return found, metadata
 
 
-def blob_paths(kinds: dict[str, Kind], world_size: int) -> set[tuple[str, ...]]:
-    """Return the key paths of the values stored as bytes: plain values, objects' states, RNGs."""
+def blob_paths(
+    kinds: dict[str, Kind], world_size: int, *, ranks: Iterable[int] | None = None
+) -> set[tuple[str, ...]]:
+    """Return the key paths of the values stored as bytes: plain values, objects' states, RNGs.
+
+    Args:
+        kinds: the checkpoint's entries.
+        world_size: the size of the saving world.
+        ranks: the ranks whose per-rank entries and RNG states to include (default: all).
+    """
     paths = {(name,) for name, kind in kinds.items() if kind in ("object", "value")}
-    return paths | {(RNG_KEY, str(rank)) for rank in range(world_size)}
+    per_rank = [RNG_KEY, *(name for name, kind in kinds.items() if kind in PER_RANK_KINDS)]
+    chosen = range(world_size) if ranks is None else ranks
+    return paths | {(name, str(rank)) for rank in chosen for name in per_rank}
 
 
 def decoded(stored: dict[tuple[str, ...], Any], path: tuple[str, ...], what: str) -> Any:
@@ -209,8 +256,10 @@ def load(
     """Restore ``state``'s objects in place from the checkpoint ``path``; return its plain values.
 
     Every rank must call it. Checkpoints load under any strategy: a module's
-    shards are read into whatever sharding the live module has. RNG states are
-    restored when the world size equals the saving one (a resumed run).
+    shards are read into whatever sharding the live module has. RNG states and
+    `per_rank` entries are restored rank by rank when the world size equals the
+    saving one (a resumed run); at another size, a per-rank entry in ``state``
+    is an error (``strict``) or left as it is (``strict=False``, logged).
 
     Args:
         path: a checkpoint directory that `save` wrote. If a save into it was
@@ -218,13 +267,15 @@ def load(
         state: the objects to restore, by the names they were saved under.
             Plain values in it are ignored: every saved plain value is returned.
         ctx: the joined world.
-        strict: raise if ``state`` and the checkpoint differ in entries or keys.
+        strict: raise if ``state`` and the checkpoint differ in entries or keys,
+            or ``state`` has per-rank entries saved by a world of another size.
             With ``False``, what matches is loaded and the differences are
             logged on rank 0 (logger ``stratagem.checkpoint``, level WARNING).
         rng: restore this rank's RNG states, when the checkpoint has them.
 
     Returns:
-        Every plain value saved, by name.
+        Every plain value saved, by name, and (in a world of the saving size)
+        this rank's value of every per-rank value.
 
     Raises:
         FileNotFoundError: there is no checkpoint at ``path``.
@@ -232,9 +283,11 @@ def load(
             unreadable (nothing in it is unpickled without restriction), or it
             does not match ``state`` (the message lists the keys).
         UsageError: ``path``, ``state``, ``ctx``, ``strict`` or ``rng`` is malformed.
+        CollectiveCallError: some ranks did not call ``load`` within
+            ``ctx.arrivals.timeout`` seconds.
     """
+    collectives.expect_everyone(check_context(ctx, "load"), "load")
     target = checked_path(path, "load")
-    check_context(ctx, "load")
     _check_flag(strict, "strict", "load")
     _check_flag(rng, "rng", "load")
     entries = classify(state, "load")
@@ -244,23 +297,50 @@ def load(
     from stratagem.checkpoint import engine
 
     # Every value is read and vetted before any live tensor is written.
-    stored = engine.read_values(found.directory, metadata, blob_paths(kinds, saved_world), ctx)
+    same_world = saved_world == ctx.world_size
+    own = [ctx.rank] if same_world else []
+    stored = engine.read_values(
+        found.directory, metadata, blob_paths(kinds, saved_world, ranks=own), ctx
+    )
+    mine = str(ctx.rank)
     values = {
         n: decoded(stored, (n,), f"the value {n!r}") for n, k in kinds.items() if k == "value"
     }
+    if same_world:
+        values |= {
+            n: decoded(stored, (n, mine), f"rank {mine}'s value {n!r}")
+            for n, k in kinds.items()
+            if k == "per_rank_value"
+        }
     objects = {
         e.name: decoded(stored, (e.name,), f"the state of {e.name!r}")
         for e in entries
         if e.kind == "object" and kinds.get(e.name) == "object"
     }
-    own_rng = (RNG_KEY, str(ctx.rank))
-    restore_rng = rng and saved_world == ctx.world_size and own_rng in stored
+    if same_world:
+        objects |= {
+            e.name: decoded(stored, (e.name, mine), f"rank {mine}'s state of {e.name!r}")
+            for e in entries
+            if e.kind == "per_rank_object" and kinds.get(e.name) == "per_rank_object"
+        }
+    own_rng = (RNG_KEY, mine)
+    restore_rng = rng and same_world and own_rng in stored
     rng_saved = decode(stored[own_rng], "the RNG state") if restore_rng else None
-    templates, mismatch = match(entries, kinds, layout_of(metadata))
-    agree(ctx, _refusal(found, mismatch, strict))
-    if mismatch and ctx.is_main:
+    ties = _ties(found)
+    templates, mismatch = match(entries, kinds, layout_of(metadata), ties)
+    stranded = [] if same_world else _stranded(entries, kinds)
+    agree(
+        ctx, _refusal(found, mismatch, strict) or _world_refusal(stranded, saved_world, ctx, strict)
+    )
+    if (mismatch or stranded) and ctx.is_main:
         logger.warning(
-            "load: %s differs from state (strict=False):\n%s", found.directory, mismatch.report()
+            "load: %s differs from state (strict=False):\n%s",
+            found.directory,
+            "\n".join(
+                [mismatch.report()] * bool(mismatch)
+                + [f"  per-rank, saved by {saved_world} ranks, left as they are: {stranded}"]
+                * bool(stranded)
+            ),
         )
     if templates:
         try:
@@ -270,10 +350,58 @@ def load(
                 f"{error} Tensors are read into the live objects: those in 'state' may be "
                 "partly loaded; load again or rebuild them."
             ) from None
+    _retie(entries, templates, ties)
     _apply(entries, templates, objects, strict)
     if rng_saved is not None:
         rng_states.restore(rng_saved, ctx.device)
     return values
+
+
+def _ties(found: Found) -> dict[str, dict[str, str]]:
+    """Return the manifest's tied keys, ``{module: {alias: original}}`` (none before they were)."""
+    ties = found.manifest.get("tied", {})
+    if not isinstance(ties, dict) or not all(
+        isinstance(aliases, dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items())
+        for aliases in ties.values()
+    ):
+        raise CheckpointError(
+            f"load: {str(found.directory)!r} is not a readable checkpoint: its manifest's "
+            "'tied' entry is malformed."
+        )
+    return ties
+
+
+def _retie(
+    entries: list[Entry], templates: dict[str, Any], ties: dict[str, dict[str, str]]
+) -> None:
+    """Give each alias of a tied tensor its original's value (a live tie holds it already)."""
+    for entry in entries:
+        aliases, template = ties.get(entry.name), templates.get(entry.name)
+        if entry.kind == "module" and aliases and isinstance(template, dict):
+            live = entry.target.state_dict(keep_vars=True).keys()
+            for alias, original in aliases.items():
+                if alias in live and original in template:
+                    template[alias] = template[original]
+
+
+def _stranded(entries: list[Entry], kinds: dict[str, Kind]) -> list[str]:
+    """Return the per-rank entries of ``state`` that the checkpoint holds per rank."""
+    return [e.name for e in entries if e.kind in PER_RANK_KINDS and kinds.get(e.name) == e.kind]
+
+
+def _world_refusal(
+    stranded: list[str], saved_world: int, ctx: Context, strict: bool
+) -> CheckpointError | None:
+    if not stranded or not strict:
+        return None
+    names = ", ".join(map(repr, stranded))
+    return CheckpointError(
+        f"load: {names} was saved per rank by a world of {saved_world}, and this world has "
+        f"{ctx.world_size} rank(s): there is no rank-by-rank match. Load at world size "
+        f"{saved_world}, drop per-rank entries from state (RNG states are skipped the same "
+        "way), or pass strict=False to load the rest and leave them as they are."
+    )
 
 
 def _refusal(found: Found, mismatch: Mismatch, strict: bool) -> CheckpointError | None:
@@ -305,5 +433,5 @@ def _apply(
         elif entry.name in templates and entry.kind == "optimizer":
             owner = cast(torch.nn.Module, entry.owner)  # classify found it for every optimizer
             set_optimizer_state_dict(owner, entry.target, templates[entry.name])
-        elif entry.name in objects:
+        elif entry.name in objects:  # an object's state, replicated or this rank's
             entry.target.load_state_dict(objects[entry.name])

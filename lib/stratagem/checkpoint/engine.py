@@ -19,7 +19,7 @@ from typing import Any, cast
 import attrs
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -65,7 +65,11 @@ def _failure(error: BaseException, what: str) -> CheckpointError:
 
 
 def write(directory: Path, state_dict: dict[str, Any], ctx: Context) -> None:
-    """Write ``state_dict`` into ``directory``: each rank its own file, replicated state once.
+    """Write ``state_dict`` into ``directory``: each rank its own file.
+
+    Each rank passes only what it owns (`owners.written_by_this_rank`); an item
+    that several ranks still pass (a shard replicated over a mesh dimension)
+    is written by the lowest of them, never by a rank the planner balances to.
 
     Raises:
         CheckpointError: a rank failed to write (every rank raises it).
@@ -76,6 +80,7 @@ def write(directory: Path, state_dict: dict[str, Any], ctx: Context) -> None:
             dcp_save(
                 state_dict,
                 storage_writer=writer,
+                planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
                 process_group=ctx.group,
                 no_dist=ctx.group is None,
             )

@@ -8,7 +8,11 @@
   ``state`` too;
 - any other object with ``state_dict``/``load_state_dict`` (a scheduler, a
   ``GradScaler``, a `ShardedLoader`) and every plain value is stored whole as
-  ``torch.save`` bytes, read back with ``weights_only=True``.
+  ``torch.save`` bytes, read back with ``weights_only=True``;
+- an entry marked with `per_rank` is stored the same way, once per rank, under
+  ``name/<rank>``.
+
+Which rank writes which entry is `stratagem.checkpoint.owners`' concern.
 """
 
 from __future__ import annotations
@@ -22,16 +26,34 @@ import torch
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from stratagem.checkpoint import rng
+from stratagem.checkpoint.owners import PerRank
 from stratagem.checkpoint.safety import encode
 from stratagem.errors import UsageError, describe
 
 if TYPE_CHECKING:
     from stratagem.env import Context
 
-__all__ = ["RNG_KEY", "Entry", "Kind", "classify", "leaf_paths", "saved_state", "unwrap"]
+__all__ = [
+    "RNG_KEY",
+    "Entry",
+    "Kind",
+    "classify",
+    "leaf_paths",
+    "saved_state",
+    "tied_keys",
+    "unwrap",
+]
 
-Kind = Literal["module", "optimizer", "object", "value"]
-KINDS: tuple[Kind, ...] = ("module", "optimizer", "object", "value")
+Kind = Literal["module", "optimizer", "object", "value", "per_rank_object", "per_rank_value"]
+KINDS: tuple[Kind, ...] = (
+    "module",
+    "optimizer",
+    "object",
+    "value",
+    "per_rank_object",
+    "per_rank_value",
+)
+PER_RANK_KINDS: tuple[Kind, ...] = ("per_rank_object", "per_rank_value")
 RNG_KEY = "_stratagem_rng"
 _RESERVED = "_stratagem"
 Path = tuple[str, ...]
@@ -84,6 +106,8 @@ class Entry:
 
 
 def _kind(value: object) -> Kind:
+    if isinstance(value, PerRank):
+        return "per_rank_object" if _kind(value.value) != "value" else "per_rank_value"
     if isinstance(value, torch.nn.Module):
         return "module"
     if isinstance(value, torch.optim.Optimizer):
@@ -102,11 +126,32 @@ def _owner(
     for module in modules.values():
         if wanted <= {id(p) for p in module.parameters()}:
             return module
+    if not modules:
+        raise UsageError(
+            f"'state' holds the optimizer {name!r} but not the module whose parameters it "
+            "updates; add that module to state: optimizer state is saved by parameter name, "
+            "which only the module knows."
+        )
     raise UsageError(
-        f"'state' holds the optimizer {name!r} but not the module whose parameters it updates "
-        f"(modules in state: {sorted(modules) or 'none'}); add that module to state: optimizer "
-        "state is saved by parameter name, which only the module knows."
+        f"the optimizer {name!r} updates parameters that none of the modules in state "
+        f"({sorted(modules)}) holds; add the module it was built from (the one wrap "
+        "returned), or rebuild the optimizer from that module's parameters."
     )
+
+
+def settle(module: torch.nn.Module) -> torch.nn.Module:
+    """Return ``module`` with every FSDP group resharded, as ``wrap`` left it.
+
+    A forward with no backward after it (an evaluation, under ``no_grad`` or
+    not) leaves an FSDP root's parameters unsharded; state is read from the
+    sharded ones, which the optimizer holds.
+    """
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # sharded modules mean it is imported
+    if fsdp is not None:
+        for part in module.modules():
+            if isinstance(part, fsdp.FSDPModule):
+                part.reshard()
+    return module
 
 
 def classify(state: object, function: str) -> list[Entry]:
@@ -126,7 +171,7 @@ def classify(state: object, function: str) -> list[Entry]:
         raise UsageError(
             f"{function}: keys starting with {_RESERVED!r} are reserved (got {reserved})."
         )
-    modules = {k: unwrap(v) for k, v in state.items() if isinstance(v, torch.nn.Module)}
+    modules = {k: settle(unwrap(v)) for k, v in state.items() if isinstance(v, torch.nn.Module)}
     entries = []
     for name, value in state.items():
         kind = _kind(value)
@@ -134,6 +179,8 @@ def classify(state: object, function: str) -> list[Entry]:
             entries.append(Entry(name, kind, modules[name]))
         elif kind == "optimizer":
             entries.append(Entry(name, kind, value, _owner(name, value, modules)))
+        elif kind in PER_RANK_KINDS:
+            entries.append(Entry(name, kind, value.value))
         else:
             entries.append(Entry(name, kind, value))
     return entries
@@ -158,23 +205,69 @@ def live_state(entry: Entry) -> Any:
     return state
 
 
-def saved_state(entries: list[Entry], ctx: Context, *, with_rng: bool) -> dict[str, Any]:
+def _place(tensor: torch.Tensor) -> tuple[Any, ...]:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor's shard
+    return (
+        local.device,
+        local.untyped_storage().data_ptr(),
+        local.storage_offset(),
+        tuple(local.shape),
+        local.stride(),
+        local.dtype,
+    )
+
+
+def tied_keys(state: Mapping[str, Any]) -> dict[str, str]:
+    """Return ``{alias: original}`` for the keys of a module's state that share a tensor.
+
+    A tied embedding and output weight appear under both names; the first
+    name (in the module's order) is the one stored.
+    """
+    first: dict[tuple[Any, ...], str] = {}
+    aliases: dict[str, str] = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.numel() > 0:
+            aliases.update({key: first[_place(value)]} if _place(value) in first else {})
+            first.setdefault(_place(value), key)
+    return aliases
+
+
+def saved_state(
+    entries: list[Entry], ctx: Context, *, with_rng: bool
+) -> tuple[dict[str, Any], dict[str, dict[str, str]]]:
     """Return the state dict DCP writes for ``entries`` (and this rank's RNG state).
+
+    Returns:
+        The state dict, and for each module with tied tensors ``{alias: original}``:
+        an alias is stored once, under its original key.
 
     Raises:
         UsageError: a plain value or an object's state is not storable safely.
     """
     saved: dict[str, Any] = {}
+    ties: dict[str, dict[str, str]] = {}
     for entry in entries:
-        if entry.kind in ("module", "optimizer"):
+        if entry.kind == "module":
+            state = live_state(entry)
+            aliases = tied_keys(state)
+            if aliases:
+                ties[entry.name] = aliases
+            saved[entry.name] = {k: v for k, v in state.items() if k not in aliases}
+        elif entry.kind == "optimizer":
             saved[entry.name] = live_state(entry)
         elif entry.kind == "object":
             saved[entry.name] = encode(entry.target.state_dict(), f"the state of {entry.name!r}")
+        elif entry.kind == "per_rank_object":
+            what = f"rank {ctx.rank}'s state of {entry.name!r}"
+            saved[entry.name] = {str(ctx.rank): encode(entry.target.state_dict(), what)}
+        elif entry.kind == "per_rank_value":
+            what = f"rank {ctx.rank}'s value {entry.name!r}"
+            saved[entry.name] = {str(ctx.rank): encode(entry.target, what)}
         else:
             saved[entry.name] = encode(entry.target, f"the value {entry.name!r}")
     if with_rng:
         saved[RNG_KEY] = {str(ctx.rank): encode(rng.capture(ctx.device), "the RNG state")}
-    return saved
+    return saved, ties
 
 
 def leaf_paths(tree: Any, prefix: Path = ()) -> Iterator[tuple[Path, Any]]:

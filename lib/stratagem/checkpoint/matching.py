@@ -80,9 +80,13 @@ def layout_of(metadata: Metadata) -> dict[str, dict[tuple[str, ...], STORAGE_TYP
 
 
 def _describe_kind(kind: str) -> str:
-    return {"module": "a module", "optimizer": "an optimizer", "object": "an object"}.get(
-        kind, "a plain value"
-    )
+    return {
+        "module": "a module",
+        "optimizer": "an optimizer",
+        "object": "an object",
+        "per_rank_object": "a per-rank object",
+        "per_rank_value": "a per-rank value",
+    }.get(kind, "a plain value")
 
 
 def _differs(leaf: Any, item: STORAGE_TYPES) -> str | None:
@@ -103,23 +107,27 @@ def match(
     entries: list[Entry],
     saved_kinds: dict[str, Kind],
     layout: dict[str, dict[tuple[str, ...], STORAGE_TYPES]],
+    ties: dict[str, dict[str, str]] | None = None,
 ) -> tuple[dict[str, Any], Mismatch]:
     """Return the state dicts to read modules and optimizers into, and the differences.
 
     Only entries present in both are in the returned state dicts; their
     tensors alias the live ones, so reading into them loads in place. Plain
-    values in ``state`` are not compared: every saved one is returned.
+    values in ``state`` are not compared: every saved one is returned. A
+    module's key saved as an alias of another (``ties``, a tied weight) is
+    read through that one: it is left out of the returned state dict.
     """
     templates: dict[str, Any] = {}
     missing: list[str] = []
     unexpected: list[str] = []
     differing: list[str] = []
     names = {entry.name for entry in entries}
-    unexpected += [n for n, k in saved_kinds.items() if k != "value" and n not in names]
+    returned = ("value", "per_rank_value")  # load returns these, asked for or not
+    unexpected += [n for n, k in saved_kinds.items() if k not in returned and n not in names]
     for entry in entries:
         kind = saved_kinds.get(entry.name)
         if kind is None:
-            if entry.kind != "value":
+            if entry.kind not in returned:
                 missing.append(entry.name)
         elif kind != entry.kind:
             differing.append(
@@ -128,6 +136,10 @@ def match(
             )
         elif kind in ("module", "optimizer"):
             templates[entry.name] = live_state(entry)
+            aliases = (ties or {}).get(entry.name, {}) if kind == "module" else {}
+            for alias, original in aliases.items():
+                if original in templates[entry.name]:
+                    del templates[entry.name][alias]
             requested = dict(leaf_paths(templates[entry.name]))
             saved = layout.get(entry.name, {})
             missing += ["/".join((entry.name, *p)) for p in requested if p not in saved]

@@ -22,6 +22,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from stratagem.collectives import expect_everyone
 from stratagem.combinators._base import CombinatorError, applied, check_strategy
 from stratagem.env import Context, check_context
 from stratagem.errors import StratagemError, UsageError, describe
@@ -116,7 +117,13 @@ def _mismatch(fingerprints: list[Fingerprint]) -> CollectiveMismatchError:
 
 
 def _agree(fingerprint: Fingerprint, ctx: Context, sites: bool) -> None:
-    """Raise `CollectiveMismatchError` on every rank unless all ranks hold equal fingerprints."""
+    """Raise `CollectiveMismatchError` on every rank unless all ranks hold equal fingerprints.
+
+    First every rank signs in (one series for all four collectives, so ranks
+    calling different ones still meet): a collective called by some ranks only
+    raises `CollectiveCallError` within ``ctx.arrivals.timeout`` instead of hanging.
+    """
+    expect_everyone(ctx, fingerprint.field, series="checked")
     digest = fingerprint.digest(sites=sites)
     extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=ctx.device)
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=ctx.group)
@@ -210,6 +217,10 @@ def checked(strategy: Strategy, *, compare_sites: bool = True) -> Strategy:
     from different lines), every rank raises `CollectiveMismatchError` naming
     the ranks and their fingerprints, instead of hanging or returning garbage.
     Collectives that do not go through these fields (DDP's, FSDP's) are not checked.
+    Before the comparison every rank signs in at the world's store, so a
+    collective that some ranks never call raises `CollectiveCallError` within
+    ``ctx.arrivals.timeout`` seconds, naming them (a few store round trips per
+    collective; see `stratagem.arrivals`).
 
     Fields touched: ``reduce``, ``gather``, ``broadcast``, ``barrier``.
 

@@ -15,9 +15,9 @@ functions.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Literal, TypeVar
+from typing import Literal
 
 import attrs
 import torch
@@ -31,12 +31,14 @@ from torch._C._nn import unflatten_dense_tensors as _unflatten
 from typing_extensions import TypedDict, Unpack
 
 from stratagem import collectives, training
+from stratagem.arrivals import DEFAULT_TIMEOUT
 from stratagem.devices import DeviceSpec
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
 from stratagem.spawn import Spawn, spawn_launcher
 from stratagem.strategies.ddp import ddp
 from stratagem.strategy import Strategy
+from stratagem.trees import leaves_in, map_leaves, map_tensors
 
 __all__ = [
     "COMPRESSIONS",
@@ -53,7 +55,6 @@ __all__ = [
 Compression = Literal["bf16", "fp16"]
 COMPRESSIONS: tuple[Compression, ...] = ("bf16", "fp16")
 _WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-T = TypeVar("T")
 
 _MB = 1024 * 1024  # MiB, as DistributedDataParallel's bucket_cap_mb
 # Broadcasts happen once (wrap, a load): buckets as large as DDP's for its initial sync.
@@ -252,6 +253,7 @@ def allreduce_grads(
     device: DeviceSpec = "auto",
     backend: str | None = None,
     timeout: float | timedelta = timedelta(minutes=30),
+    arrival_timeout: float = DEFAULT_TIMEOUT,
 ) -> Strategy:
     """Train the Horovod way: no wrapper, gradients all-reduced in buckets just before the step.
 
@@ -270,6 +272,8 @@ def allreduce_grads(
         backend: ``None`` picks gloo on CPU and nccl on CUDA.
         timeout: seconds (or a ``timedelta``) that process-group init and every
             collective wait before failing.
+        arrival_timeout: seconds that ``save``, ``load`` and ``barrier`` wait for every
+            rank to call them (see `ddp`).
 
     Raises:
         UsageError: an option has the wrong type or value.
@@ -280,7 +284,7 @@ def allreduce_grads(
         AllreduceThenStep(bucket_mb=4, compression='bf16')
     """
     return attrs.evolve(
-        ddp(device=device, backend=backend, timeout=timeout),
+        ddp(device=device, backend=backend, timeout=timeout, arrival_timeout=arrival_timeout),
         name="allreduce_grads",
         wrap=broadcast_module,
         step=training.step,
@@ -299,6 +303,7 @@ AllreduceArgs = TypedDict(  # noqa: UP013
         "device": DeviceSpec,
         "backend": "str | None",
         "timeout": "float | timedelta",
+        "arrival_timeout": float,
     },
     total=False,
 )
@@ -341,17 +346,6 @@ class _Hole:
     on_cpu: bool
 
 
-def _map_leaves(value: Any, kind: type[T], fn: Callable[[T], Any]) -> Any:
-    """Apply ``fn`` to every ``kind`` inside dicts, lists and tuples, in a fixed order."""
-    if isinstance(value, kind):
-        return fn(value)
-    if isinstance(value, dict):
-        return {k: _map_leaves(v, kind, fn) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_map_leaves(v, kind, fn) for v in value)
-    return value
-
-
 def broadcast_optimizer_state(
     optimizer: torch.optim.Optimizer, ctx: Context, *, src: int = 0
 ) -> None:
@@ -391,14 +385,14 @@ def broadcast_optimizer_state(
         tensors.append(tensor.detach().to(ctx.device))
         return _Hole(tuple(tensor.shape), tensor.dtype, tensor.device.type == "cpu")
 
-    skeleton = _map_leaves(optimizer.state_dict(), torch.Tensor, hole) if ctx.rank == src else None
+    # The tensors and their holes are matched by the walk's fixed order, the same on every rank.
+    skeleton = map_tensors(hole, optimizer.state_dict()) if ctx.rank == src else None
     skeleton = collectives.broadcast(skeleton, ctx, src=src)
-    holes: list[_Hole] = []
-    _map_leaves(skeleton, _Hole, holes.append)
+    holes = list(leaves_in(skeleton, _Hole))
     if ctx.rank == src:
         _broadcast_(tensors, ctx, src)  # sends; its own state is already in place
         return
     tensors = [torch.empty(h.shape, dtype=h.dtype, device=ctx.device) for h in holes]
     _broadcast_(tensors, ctx, src)
     arrived = iter(t.cpu() if h.on_cpu else t for t, h in zip(tensors, holes, strict=True))
-    optimizer.load_state_dict(_map_leaves(skeleton, _Hole, lambda _: next(arrived)))
+    optimizer.load_state_dict(map_leaves(lambda _: next(arrived), skeleton, _Hole))

@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import TypedDict, Unpack
 
 from stratagem import training
+from stratagem.arrivals import DEFAULT_TIMEOUT, Arrivals, check_arrival_timeout
 from stratagem.devices import DeviceSpec, check_device_spec, resolve_device
 from stratagem.env import Context, Env, check_context, check_env
 from stratagem.errors import LaunchError, UsageError, describe
@@ -89,7 +90,9 @@ class JoinProcessGroup:
 
     Every rank connects to the store at ``master_addr:master_port``; rank 0
     hosts it unless a launcher agent already does (``env.agent_store``). A
-    world of one uses an in-memory store and needs no port.
+    world of one uses an in-memory store and needs no port. The store also
+    serves the `Arrivals` checks of save, load and barrier, which give up
+    after ``arrival_timeout`` seconds.
 
     Raises:
         UsageError: ``env`` is not an `Env`, or the device is not available.
@@ -102,6 +105,7 @@ class JoinProcessGroup:
     timeout: timedelta = attrs.field(
         default=timedelta(minutes=30), converter=_to_timedelta, validator=_positive_timeout
     )
+    arrival_timeout: float = attrs.field(default=DEFAULT_TIMEOUT, converter=check_arrival_timeout)
 
     def __call__(self, env: Env) -> Context:
         check_env(env, "setup")
@@ -114,6 +118,12 @@ class JoinProcessGroup:
             )
         device = resolve_device(self.device, env.local_rank)
         backend = self.backend or ("nccl" if device.type == "cuda" else "gloo")
+        if backend == "nccl" and (device.type != "cuda" or not dist.is_nccl_available()):
+            raise UsageError(
+                f"setup: backend 'nccl' runs on CUDA devices only, but this rank's device is "
+                f"{str(device)!r} (CUDA available: {torch.cuda.is_available()}, NCCL built: "
+                f"{dist.is_nccl_available()}); use backend=None (gloo on the CPU) or 'gloo'."
+            )
         if dist.is_initialized():
             raise LaunchError(
                 "setup: a default process group is already initialised in this process; "
@@ -140,7 +150,8 @@ class JoinProcessGroup:
         dist.init_process_group(
             backend, store=store, rank=env.rank, world_size=env.world_size, timeout=self.timeout
         )
-        return Context(env=env, device=device, group=dist.group.WORLD)
+        arrivals = Arrivals(store, timeout=self.arrival_timeout)
+        return Context(env=env, device=device, group=dist.group.WORLD, arrivals=arrivals)
 
 
 def _store_failure(env: Env, hosting: bool, error: RuntimeError) -> str:
@@ -245,6 +256,7 @@ def ddp(
     device: DeviceSpec = "auto",
     backend: str | None = None,
     timeout: float | timedelta = timedelta(minutes=30),
+    arrival_timeout: float = DEFAULT_TIMEOUT,
     find_unused_parameters: bool = False,
     gradient_as_bucket_view: bool = False,
     static_graph: bool = False,
@@ -261,6 +273,9 @@ def ddp(
         backend: ``None`` picks gloo on CPU and nccl on CUDA.
         timeout: seconds (or a ``timedelta``) that process-group init and every
             collective wait before failing.
+        arrival_timeout: seconds that ``save``, ``load`` and ``barrier`` wait
+            for every rank to call them before raising `CollectiveCallError`
+            (the mark of a call made on some ranks only).
         find_unused_parameters: passed to ``DistributedDataParallel``.
         gradient_as_bucket_view: passed to ``DistributedDataParallel``.
         static_graph: passed to ``DistributedDataParallel``.
@@ -273,7 +288,12 @@ def ddp(
     return attrs.evolve(
         single_device(),
         name="ddp",
-        setup=JoinProcessGroup(device=check_device_spec(device), backend=backend, timeout=timeout),
+        setup=JoinProcessGroup(
+            device=check_device_spec(device),
+            backend=backend,
+            timeout=timeout,
+            arrival_timeout=arrival_timeout,
+        ),
         wrap=WrapDDP(
             DDPOptions(
                 find_unused_parameters=find_unused_parameters,
@@ -297,6 +317,7 @@ DDPArgs = TypedDict(  # noqa: UP013
         "device": DeviceSpec,
         "backend": "str | None",
         "timeout": "float | timedelta",
+        "arrival_timeout": float,
         "find_unused_parameters": bool,
         "gradient_as_bucket_view": bool,
         "static_graph": bool,

@@ -24,11 +24,13 @@ import torch
 from typing_extensions import TypedDict, Unpack
 
 from stratagem import training
+from stratagem.arrivals import DEFAULT_TIMEOUT
 from stratagem.devices import DeviceSpec
 from stratagem.env import Context, Env, check_context, check_env
 from stratagem.errors import UsageError, describe
 from stratagem.fields import SetupFn
 from stratagem.spawn import Spawn, spawn_launcher
+from stratagem.strategies.allreduce import broadcast_module
 from stratagem.strategies.ddp import JoinProcessGroup, ddp
 from stratagem.strategies.shard_policies import (
     AboveParameters,
@@ -171,6 +173,11 @@ def _mp_policy(instance: object, attribute: attrs.Attribute[Any], value: object)
         )
 
 
+def _flag(instance: object, attribute: attrs.Attribute[bool], value: object) -> None:
+    if not isinstance(value, bool):
+        raise UsageError(f"'{attribute.name}' must be True or False (got {describe(value)}).")
+
+
 def _bottom_up(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """Yield the descendants of ``module`` children first, each once, skipping sharded subtrees."""
     seen: set[int] = set()
@@ -196,12 +203,17 @@ class WrapFSDP:
     """Wrap field: ``fully_shard`` the submodules ``shard_when`` picks, bottom-up, then the root.
 
     The module is sharded in place on ``ctx.extras["mesh"]`` and returned;
-    ``fully_shard`` moves its parameters to the mesh's device.
+    ``fully_shard`` moves its parameters to the mesh's device. With
+    ``sync_module_states`` (the default), rank 0's parameters and buffers are
+    first copied to every rank, as ``ddp()`` does, so ranks seeded differently
+    start from one model; a module on the meta device (initialised later) is
+    not copied.
     """
 
     shard_when: ShardPolicy | None = attrs.field(default=None, validator=_policy)
     reshard_after_forward: bool | int | None = attrs.field(default=None, validator=_reshard)
     mp_policy: MixedPrecisionPolicy | None = attrs.field(default=None, validator=_mp_policy)
+    sync_module_states: bool = attrs.field(default=True, validator=_flag)
 
     def __call__(self, module: torch.nn.Module, ctx: Context) -> torch.nn.Module:
         from torch.distributed.fsdp import fully_shard
@@ -218,6 +230,11 @@ class WrapFSDP:
                 "wrap: ctx.extras has no 'mesh'; pass the Context that fsdp().setup returned, "
                 "or add one: ctx.with_extras(mesh=device_mesh(ctx))."
             )
+        if self.sync_module_states and not any(
+            t.is_meta for t in (*module.parameters(), *module.buffers())
+        ):
+            # Shards of different initialisations would stitch together a model no rank built.
+            module = broadcast_module(module, ctx)
         options: dict[str, Any] = {"mesh": mesh}
         if self.reshard_after_forward is not None:  # None: torch's default for root and children
             options["reshard_after_forward"] = self.reshard_after_forward
@@ -340,9 +357,11 @@ def fsdp(
     reshard_after_forward: bool | int | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     shard_size: ShardSize = "world",
+    sync_module_states: bool = True,
     device: DeviceSpec = "auto",
     backend: str | None = None,
     timeout: float | timedelta = timedelta(minutes=30),
+    arrival_timeout: float = DEFAULT_TIMEOUT,
 ) -> Strategy:
     """Fully sharded data parallel (``fully_shard``) on the ranks torchrun or SLURM started.
 
@@ -361,20 +380,29 @@ def fsdp(
         shard_size: ranks per shard group: ``"world"`` shards over all ranks;
             ``"node"`` or a number builds a hybrid 2-D mesh that shards within
             groups of that size and replicates across them.
+        sync_module_states: copy rank 0's parameters and buffers to every
+            rank before sharding (as ``ddp()`` does), so that ranks seeded
+            differently start from the same model; ``False`` shards each
+            rank's own initialisation (the caller guarantees they agree).
         device: ``"auto"`` (``cuda:LOCAL_RANK``, else CPU) or a device.
         backend: ``None`` picks gloo on CPU and nccl on CUDA.
         timeout: seconds (or a ``timedelta``) for process-group init and collectives.
+        arrival_timeout: seconds that ``save``, ``load`` and ``barrier`` wait for every
+            rank to call them (see `ddp`).
 
     Raises:
         UsageError: an option has the wrong type or value.
     """
-    base = ddp(device=device, backend=backend, timeout=timeout)
+    base = ddp(device=device, backend=backend, timeout=timeout, arrival_timeout=arrival_timeout)
     return attrs.evolve(
         base,
         name="fsdp",
         setup=JoinMesh(join=base.setup, shard_size=shard_size),
         wrap=WrapFSDP(
-            shard_when=shard_when, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy
+            shard_when=shard_when,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=mp_policy,
+            sync_module_states=sync_module_states,
         ),
         update=fsdp_update,
         no_sync=fsdp_no_sync,
@@ -389,9 +417,11 @@ FSDPArgs = TypedDict(  # noqa: UP013
         "reshard_after_forward": "bool | int | None",
         "mp_policy": "MixedPrecisionPolicy | None",
         "shard_size": ShardSize,
+        "sync_module_states": bool,
         "device": DeviceSpec,
         "backend": "str | None",
         "timeout": "float | timedelta",
+        "arrival_timeout": float,
     },
     total=False,
 )
