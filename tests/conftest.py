@@ -1,5 +1,5 @@
 pytest_plugins = ["stratagem.testing.pytest_plugin"]
 
-# Imported by interpreters that tests/test_paths.py starts, never by pytest: a module named
-# sitecustomize would clash with the interpreter's own, if it has one.
-collect_ignore = ["scripts/audit/sitecustomize.py"]
+# The scripts are programs that tests start (some with top-level code that trains, or a
+# sitecustomize that would clash with the interpreter's own): never imported by pytest.
+collect_ignore_glob = ["scripts/*"]
