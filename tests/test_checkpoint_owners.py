@@ -307,3 +307,48 @@ def test_a_tied_weight_is_stored_once_and_the_tie_survives_a_load(tmp_path):
     sg.checkpoint.load(tmp_path / "c", {"model": untied}, ctx, strict=False)
     assert torch.equal(untied.head.weight, model.emb.weight)
     assert torch.equal(untied.emb.weight, model.emb.weight)
+
+
+def test_meta_tensors_are_never_taken_for_tied_weights():
+    from stratagem.checkpoint.entries import tied_keys
+
+    on_meta = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)).to("meta")
+    assert tied_keys(on_meta.state_dict()) == {}
+    assert tied_keys(TiedLM().state_dict()) == {"head.weight": "emb.weight"}
+
+
+def test_an_entry_that_would_collide_with_a_per_rank_one_is_refused(tmp_path):
+    ctx = sg.single_device("cpu").setup(sg.Env())
+    with pytest.raises(sg.UsageError, match=r"entries \['pos.1'\] would collide"):
+        sg.checkpoint.save(tmp_path / "c", {"pos": sg.per_rank(1), "pos.1": 2}, ctx)
+
+
+def half_on_meta(strategy, ctx):
+    device = "meta" if ctx.rank == 1 else "cpu"
+    try:
+        strategy.wrap(torch.nn.Linear(2, 4, device=device), ctx)
+    except sg.UsageError as error:
+        return str(error)
+    return None
+
+
+def test_fsdp_refuses_ranks_that_disagree_about_the_meta_device(stratagem_world):
+    messages = stratagem_world.run(half_on_meta, sg.fsdp())
+    assert messages[0] == messages[1]
+    assert "rank(s) [1] hold the module on the meta device" in messages[0]
+
+
+def ddp_starting_buffers(strategy, ctx):
+    torch.manual_seed(ctx.rank)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    with torch.no_grad():
+        model[1].running_mean.fill_(float(ctx.rank))
+    plain = sg.unwrap(strategy.wrap(model, ctx))
+    return plain[1].running_mean.tolist(), plain[0].weight.detach().clone()
+
+
+def test_ddp_without_buffer_broadcasts_still_starts_from_rank_zeros_buffers(stratagem_world):
+    (mean0, w0), (mean1, w1) = stratagem_world.run(
+        ddp_starting_buffers, sg.ddp(broadcast_buffers=False)
+    )
+    assert mean0 == mean1 == [0.0] * 4 and torch.equal(w0, w1)

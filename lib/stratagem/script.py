@@ -17,8 +17,10 @@ import contextlib
 import os
 from collections.abc import Iterator
 
+from stratagem.combinators._base import peel
 from stratagem.env import Context, Env, check_env, detect_env
 from stratagem.errors import UsageError, describe
+from stratagem.spawn import Spawn
 from stratagem.strategy import StrategyLike
 
 __all__ = ["joined"]
@@ -57,6 +59,13 @@ def joined(strategy: StrategyLike, *, env: Env | None = None) -> Iterator[Contex
             f"(got {describe(strategy)})."
         )
     world = detect_env(os.environ) if env is None else check_env(env, "joined")
+    if isinstance(peel(strategy.launch)[1], Spawn) and not world.is_distributed:
+        raise UsageError(
+            f"joined: {getattr(strategy, 'name', 'the strategy')!r} spawns its ranks, which a "
+            "block of top-level code cannot be sent to; run the script under torchrun with "
+            "the in-place strategy (ddp(), fsdp()), or put the loop in a function for "
+            "sg.launch(train, strategy, devices=N)."
+        )
     ctx = strategy.setup(world)
     try:
         yield ctx

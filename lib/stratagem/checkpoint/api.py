@@ -151,12 +151,17 @@ def save(
     agree(ctx, error)
     per_rank = {e.name for e in entries if e.kind in PER_RANK_KINDS} | ({RNG_KEY} if rng else set())
     if verify:
-        report = differing_replicas(
-            saved,
-            {e.name for e in entries if e.name not in per_rank},
-            {e.name for e in entries if e.kind in ("object", "value")},
-            ctx,
-        )
+        # Plain values and objects by their values (their bytes also name each tensor's device).
+        compared = {
+            e.name: e.target.state_dict()
+            if e.kind == "object"
+            else e.target
+            if e.kind == "value"
+            else saved[e.name]
+            for e in entries
+            if e.name not in per_rank
+        }
+        report = differing_replicas(compared, set(compared), set(), ctx)
         if report is not None:
             raise refuse_differing(report)
     from stratagem.checkpoint import engine  # imports DCP (a second): only once it is needed
@@ -306,31 +311,39 @@ def load(
     values = {
         n: decoded(stored, (n,), f"the value {n!r}") for n, k in kinds.items() if k == "value"
     }
-    if same_world:
-        values |= {
-            n: decoded(stored, (n, mine), f"rank {mine}'s value {n!r}")
-            for n, k in kinds.items()
-            if k == "per_rank_value"
-        }
     objects = {
         e.name: decoded(stored, (e.name,), f"the state of {e.name!r}")
         for e in entries
         if e.kind == "object" and kinds.get(e.name) == "object"
     }
-    if same_world:
-        objects |= {
-            e.name: decoded(stored, (e.name, mine), f"rank {mine}'s state of {e.name!r}")
-            for e in entries
-            if e.kind == "per_rank_object" and kinds.get(e.name) == "per_rank_object"
-        }
-    own_rng = (RNG_KEY, mine)
-    restore_rng = rng and same_world and own_rng in stored
-    rng_saved = decode(stored[own_rng], "the RNG state") if restore_rng else None
+    # This rank's own values may be unreadable on this rank alone: every rank must hear of it.
+    rank_error: CheckpointError | None = None
+    rng_saved = None
+    try:
+        if same_world:
+            values |= {
+                n: decoded(stored, (n, mine), f"rank {mine}'s value {n!r}")
+                for n, k in kinds.items()
+                if k == "per_rank_value"
+            }
+            objects |= {
+                e.name: decoded(stored, (e.name, mine), f"rank {mine}'s state of {e.name!r}")
+                for e in entries
+                if e.kind == "per_rank_object" and kinds.get(e.name) == "per_rank_object"
+            }
+        own_rng = (RNG_KEY, mine)
+        if rng and same_world and own_rng in stored:
+            rng_saved = decode(stored[own_rng], "the RNG state")
+    except CheckpointError as error:
+        rank_error = error
     ties = _ties(found)
     templates, mismatch = match(entries, kinds, layout_of(metadata), ties)
     stranded = [] if same_world else _stranded(entries, kinds)
     agree(
-        ctx, _refusal(found, mismatch, strict) or _world_refusal(stranded, saved_world, ctx, strict)
+        ctx,
+        rank_error
+        or _refusal(found, mismatch, strict)
+        or _world_refusal(stranded, saved_world, ctx, strict),
     )
     if (mismatch or stranded) and ctx.is_main:
         logger.warning(

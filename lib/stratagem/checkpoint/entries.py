@@ -171,6 +171,13 @@ def classify(state: object, function: str) -> list[Entry]:
         raise UsageError(
             f"{function}: keys starting with {_RESERVED!r} are reserved (got {reserved})."
         )
+    per_rank = [k for k, v in state.items() if isinstance(v, PerRank)]
+    clashes = sorted(k for k in state for name in per_rank if k.startswith(f"{name}."))
+    if clashes:
+        raise UsageError(
+            f"{function}: entries {clashes} would collide with the per-rank entries stored "
+            f"under '<name>.<rank>' ({per_rank}); rename them, e.g. with '_' for '.'."
+        )
     modules = {k: settle(unwrap(v)) for k, v in state.items() if isinstance(v, torch.nn.Module)}
     entries = []
     for name, value in state.items():
@@ -205,11 +212,17 @@ def live_state(entry: Entry) -> Any:
     return state
 
 
-def _place(tensor: torch.Tensor) -> tuple[Any, ...]:
+def _place(tensor: torch.Tensor) -> tuple[Any, ...] | None:
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor's shard
+    if local.is_meta:
+        return None  # no storage: every meta tensor would look like every other
+    try:
+        address = local.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a subclass without a readable storage
+        return None
     return (
         local.device,
-        local.untyped_storage().data_ptr(),
+        address,
         local.storage_offset(),
         tuple(local.shape),
         local.stride(),
@@ -226,9 +239,12 @@ def tied_keys(state: Mapping[str, Any]) -> dict[str, str]:
     first: dict[tuple[Any, ...], str] = {}
     aliases: dict[str, str] = {}
     for key, value in state.items():
-        if isinstance(value, torch.Tensor) and value.numel() > 0:
-            aliases.update({key: first[_place(value)]} if _place(value) in first else {})
-            first.setdefault(_place(value), key)
+        place = _place(value) if isinstance(value, torch.Tensor) and value.numel() > 0 else None
+        if place is not None:
+            if place in first:
+                aliases[key] = first[place]
+            else:
+                first[place] = key
     return aliases
 
 

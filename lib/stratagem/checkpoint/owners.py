@@ -116,8 +116,9 @@ def differing_replicas(
     Args:
         saved: this rank's state dict, as `save` writes it.
         replicated: the names of the replicated entries.
-        blobs: the names of entries stored whole as bytes (reported by name only).
-        ctx: the joined world; every rank must call it.
+        blobs: the names of entries reported by name only, not key by key.
+        ctx: the joined world; every rank must call it (it gathers the
+            fingerprints: every replicated tensor is hashed on every rank).
 
     Returns:
         None if every rank holds the same, else the keys and the ranks that differ from rank 0.

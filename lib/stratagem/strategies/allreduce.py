@@ -50,6 +50,7 @@ __all__ = [
     "average_gradients",
     "broadcast_module",
     "broadcast_optimizer_state",
+    "check_same_layout",
 ]
 
 Compression = Literal["bf16", "fp16"]
@@ -102,8 +103,13 @@ def _layout(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str, bo
     return [(name, tuple(t.shape), str(t.dtype), t.requires_grad) for name, t in named]
 
 
-def _check_same_layout(module: torch.nn.Module, ctx: Context) -> None:
-    """Fail on every rank, instead of hanging, if ranks hold differently shaped modules."""
+def check_same_layout(module: torch.nn.Module, ctx: Context) -> None:
+    """Fail on every rank, instead of hanging, if ranks hold differently shaped modules.
+
+    Raises:
+        UsageError: some rank's parameters or buffers differ in name, shape,
+            dtype or ``requires_grad`` from rank 0's (raised on every rank).
+    """
     mine = _layout(module)
     reference = collectives.broadcast(mine, ctx, src=0)
     flag = torch.tensor(int(mine != reference), device=ctx.device)
@@ -131,7 +137,7 @@ def broadcast_module(module: torch.nn.Module, ctx: Context) -> torch.nn.Module:
     """
     module = training.to_device(module, ctx)
     if _distributed(ctx):
-        _check_same_layout(module, ctx)
+        check_same_layout(module, ctx)
         _broadcast_([*module.parameters(), *module.buffers()], ctx, src=0)
     return module
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import warnings
 from contextlib import AbstractContextManager
 from datetime import timedelta
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import (  # type: ignore[attr-defined]  # exported at run time
     HashStore,
+    PrefixStore,
     Store,
     TCPStore,
 )
@@ -150,7 +152,9 @@ class JoinProcessGroup:
         dist.init_process_group(
             backend, store=store, rank=env.rank, world_size=env.world_size, timeout=self.timeout
         )
-        arrivals = Arrivals(store, timeout=self.arrival_timeout)
+        # A torchrun agent's store outlives a restart: each attempt signs in under its own prefix.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        arrivals = Arrivals(PrefixStore(f"attempt_{attempt}", store), timeout=self.arrival_timeout)
         return Context(env=env, device=device, group=dist.group.WORLD, arrivals=arrivals)
 
 
@@ -224,6 +228,9 @@ class WrapDDP:
         options = attrs.asdict(self.options)
         if not options.pop("broadcast_buffers"):  # the default (True) is not passed at all
             options["broadcast_buffers"] = False
+            # DDP then skips buffers at construction too; every rank still starts from rank
+            # 0's, as its parameters do (and as fsdp() and allreduce_grads() start).
+            _broadcast_buffers(module, ctx)
         with warnings.catch_warnings():
             # torch 2.13 deprecates broadcast_buffers for forward_sync_buffers, which still
             # syncs at init; the old flag keeps its documented meaning on every supported torch.
@@ -234,6 +241,13 @@ class WrapDDP:
                 process_group=ctx.group,
                 **options,
             )
+
+
+def _broadcast_buffers(module: torch.nn.Module, ctx: Context) -> None:
+    if ctx.world_size > 1:
+        with torch.no_grad():
+            for buffer in module.buffers():
+                dist.broadcast(buffer, src=0, group=ctx.group)
 
 
 def ddp_no_sync(module: torch.nn.Module, ctx: Context) -> AbstractContextManager[Any]:

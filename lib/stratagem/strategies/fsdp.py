@@ -30,7 +30,7 @@ from stratagem.env import Context, Env, check_context, check_env
 from stratagem.errors import UsageError, describe
 from stratagem.fields import SetupFn
 from stratagem.spawn import Spawn, spawn_launcher
-from stratagem.strategies.allreduce import broadcast_module
+from stratagem.strategies.allreduce import check_same_layout
 from stratagem.strategies.ddp import JoinProcessGroup, ddp
 from stratagem.strategies.shard_policies import (
     AboveParameters,
@@ -230,11 +230,9 @@ class WrapFSDP:
                 "wrap: ctx.extras has no 'mesh'; pass the Context that fsdp().setup returned, "
                 "or add one: ctx.with_extras(mesh=device_mesh(ctx))."
             )
-        if self.sync_module_states and not any(
-            t.is_meta for t in (*module.parameters(), *module.buffers())
-        ):
+        if self.sync_module_states:
             # Shards of different initialisations would stitch together a model no rank built.
-            module = broadcast_module(module, ctx)
+            _copy_rank_zeros_states(module, ctx)
         options: dict[str, Any] = {"mesh": mesh}
         if self.reshard_after_forward is not None:  # None: torch's default for root and children
             options["reshard_after_forward"] = self.reshard_after_forward
@@ -247,6 +245,40 @@ class WrapFSDP:
                     fully_shard(child, **options)
         fully_shard(module, **options)
         return module
+
+
+def _copy_rank_zeros_states(module: torch.nn.Module, ctx: Context) -> None:
+    """Overwrite every rank's parameters and buffers with rank 0's, one tensor at a time.
+
+    Nothing is moved for good: a tensor on the CPU travels through the device
+    and comes back, so the unsharded model never sits whole on the device. A
+    module on the meta device (initialised after sharding) is left as it is;
+    ranks must agree on that.
+    """
+    if ctx.group is None or ctx.world_size == 1:
+        return
+    import torch.distributed as dist
+
+    tensors = [*module.parameters(), *module.buffers()]
+    meta = torch.tensor([int(any(t.is_meta for t in tensors))], device=ctx.device)
+    agreed = [torch.zeros_like(meta) for _ in range(ctx.world_size)]
+    dist.all_gather(agreed, meta, group=ctx.group)
+    on_meta = [rank for rank, flag in enumerate(agreed) if int(flag)]
+    if on_meta and len(on_meta) < ctx.world_size:
+        raise UsageError(
+            f"wrap: rank(s) {on_meta} hold the module on the meta device and the others do "
+            "not; build it the same way on every rank (all on meta, then initialise after "
+            "wrap, or all real: fsdp() copies rank 0's weights to the others)."
+        )
+    if on_meta:
+        return
+    check_same_layout(module, ctx)
+    with torch.no_grad():
+        for tensor in tensors:
+            travelling = tensor.detach().to(ctx.device)
+            dist.broadcast(travelling, src=0, group=ctx.group)
+            if ctx.rank != 0:
+                tensor.copy_(travelling)
 
 
 def _decide(policy: ShardPolicy, module: torch.nn.Module) -> bool:
