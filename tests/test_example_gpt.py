@@ -21,10 +21,10 @@ import pytest
 import torch
 
 import stratagem as sg
+from helpers import agent_env
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "gpt"
 SCRIPT = EXAMPLE / "train.py"
-LIB = Path(sg.__file__).resolve().parent.parent
 # At import, so before the session's World starts: its ranks inherit sys.path and import
 # `train` to unpickle the functions sent to them.
 sys.path.insert(0, str(EXAMPLE))
@@ -35,7 +35,6 @@ pytestmark = pytest.mark.slow
 
 TIMEOUT_S = 180.0
 VOCABULARY = len(gpt.encode_text(gpt.load_text())[1])  # 103 characters on CPython 3.11
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
 
 def config(**changes) -> gpt.Config:
@@ -150,17 +149,8 @@ def test_saving_right_after_an_evaluation_works(stratagem_world, tmp_path, strat
 
 
 def script_env(tmp_path: Path) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in LAUNCHER_VARIABLES and not k.startswith(("TORCHELASTIC_", "SLURM_", "MASTER_"))
-    }
-    path = env.get("PYTHONPATH")
-    env["PYTHONPATH"] = str(LIB) if not path else os.pathsep.join([str(LIB), path])
-    env["GLOO_SOCKET_IFNAME"] = "lo"
-    env["OMP_NUM_THREADS"] = "1"
+    env = agent_env(tmp_path)
     env["PYTHONWARNINGS"] = "error"  # as the suite: a warning on the script's path fails it
-    env["TMPDIR"] = str(tmp_path)
     return env
 
 

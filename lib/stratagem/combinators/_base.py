@@ -24,6 +24,8 @@ __all__ = [
     "applied",
     "check_strategy",
     "gradients",
+    "peel",
+    "rebased",
     "root_optimizer",
 ]
 
@@ -53,6 +55,38 @@ def _layers(value: object) -> list[object]:
         value = value.inner
         out.append(value)
     return out
+
+
+def _is_layer(value: object) -> bool:
+    kind = type(value)
+    return attrs.has(kind) and "inner" in attrs.fields_dict(kind)
+
+
+def peel(field: Any) -> tuple[list[Any], Any]:
+    """Split a field into its combinator layers (outermost first) and the function they wrap.
+
+    A layer is an attrs callable with an ``inner`` field, as every combinator
+    makes; the first value that is not one is the base (a built-in's field, or
+    the user's own function).
+
+    Example:
+        >>> import stratagem as sg
+        >>> layers, base = peel(sg.with_clipping(sg.ddp(), max_norm=1.0).update)
+        >>> [type(layer).__name__ for layer in layers], base is sg.ddp().update
+        (['ClipUpdate'], True)
+    """
+    layers = []
+    while _is_layer(field):
+        layers.append(field)
+        field = field.inner
+    return layers, field
+
+
+def rebased(layers: list[Any], base: Any) -> Any:
+    """Return ``layers`` (as `peel` gave them) rebuilt around another ``base``."""
+    for layer in reversed(layers):
+        base = attrs.evolve(layer, inner=base)
+    return base
 
 
 def applied(strategy: StrategyLike, kind: type[Any]) -> Any | None:

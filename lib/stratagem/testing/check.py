@@ -1,33 +1,65 @@
-"""`check_all`: every law that applies to a strategy, in one call."""
+"""`check_all`: every law that applies to a strategy, in one call, with a report of what ran."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import Any
 
+import attrs
 import torch
 
 from stratagem.combinators._base import applied
 from stratagem.combinators.precision import PrecisionSetup
+from stratagem.errors import UsageError, describe
 from stratagem.fields import REDUCE_OPS, ReduceOp
 from stratagem.strategy import StrategyLike
 from stratagem.testing import laws
+from stratagem.testing.contract import Contract
+from stratagem.testing.laws.parallel import OptimizerFactory, adamw, sgd_momentum
+from stratagem.testing.modules import default_modules, mlp
 from stratagem.testing.world import World
 
-__all__ = ["check_all", "default_module"]
+__all__ = ["LAWS", "Report", "check_all", "default_module"]
 
 IDEMPOTENT_OPS: tuple[ReduceOp, ...] = ("mean", "max", "min")
+
+LAWS: tuple[str, ...] = (
+    "single-rank-identities",
+    "reduce-arithmetic",
+    "reduce-idempotent",
+    "gather-order",
+    "broadcast-from-every-source",
+    "wrap-preserves",
+    "data-parallel-step",
+    "accumulation",
+    "no-sync",
+    "purity",
+    "step-autocast",
+    "checkpoint-round-trip",
+)
+"""The laws `check_all` runs, by the names ``skip`` takes and violations carry."""
 
 
 def default_module() -> torch.nn.Module:
     """Build the small MLP the laws use when the caller gives none (seeded, so runs repeat)."""
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(0)
-    try:
-        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
-    finally:
-        torch.random.set_rng_state(generator_state)
+    return mlp()
+
+
+@attrs.frozen
+class Report:
+    """What `check_all` checked: the laws that passed, and those skipped with their reasons."""
+
+    strategy: str
+    passed: tuple[str, ...]
+    skipped: Mapping[str, str]
+
+    def __str__(self) -> str:
+        lines = [f"check_all({self.strategy!r}): {len(self.passed)} laws passed"]
+        lines += [f"  passed: {law}" for law in self.passed]
+        lines += [f"  skipped: {law} ({reason})" for law, reason in self.skipped.items()]
+        return "\n".join(lines)
 
 
 @contextmanager
@@ -39,43 +71,94 @@ def _world(world: World | None, world_size: int) -> Iterator[World]:
         yield fresh
 
 
+def _check_skip(skip: object) -> dict[str, str]:
+    if skip is None:
+        return {}
+    if not isinstance(skip, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) and v.strip() for k, v in skip.items()
+    ):
+        raise UsageError(
+            f"check_all: 'skip' must map law names to the reason each does not apply "
+            f"(got {describe(skip)}), e.g. skip={{'no-sync': 'syncs every 4 updates'}}."
+        )
+    unknown = sorted(set(skip) - set(LAWS))
+    if unknown:
+        raise UsageError(
+            f"check_all: 'skip' names {unknown}, which are not laws; the laws are {list(LAWS)}."
+        )
+    return dict(skip)
+
+
 def check_all(
     strategy: StrategyLike,
     *,
     world_size: int = 2,
     world: World | None = None,
     module: torch.nn.Module | None = None,
+    modules: Mapping[str, torch.nn.Module] | None = None,
     batch: torch.Tensor | None = None,
+    optimizers: Sequence[OptimizerFactory] = (sgd_momentum, adamw),
+    reference: StrategyLike | None = None,
+    contract: Contract | None = None,
+    skip: Mapping[str, str] | None = None,
     portable_to: StrategyLike | None = None,
     directory: str | os.PathLike[str] | None = None,
-    tolerance: float = 1e-6,
-) -> None:
+    tolerance: float | None = None,
+) -> Report:
     """Check every law that applies to ``strategy`` on a `World` of ``world_size`` ranks.
 
     Collectives (arithmetic for each op, idempotence, gather order, broadcast
-    from every source), wrap, the data-parallel step, accumulation,
+    from every source), wrap, the data-parallel step and accumulation against
+    the derived reference (several steps, each optimizer, each module: by
+    default a plain MLP, one with BatchNorm and one with tied weights),
     ``no_sync`` (on more than one rank), purity, autocast in ``step`` when the
-    strategy has a mixed precision, and the checkpoint round trip
-    (portable to ``portable_to`` when given). On one rank, the collectives must
-    be identities.
+    strategy has a mixed precision, and the checkpoint round trip (portable to
+    ``portable_to`` when given). On one rank, the collectives must be identities.
 
     Args:
         strategy: the record to check (its fields must be picklable: module-level
             functions or attrs callables).
         world_size: ranks to start when ``world`` is omitted.
         world: a running `World` to reuse (fast across many calls).
-        module: the module to train (default: a small seeded MLP with 4 inputs).
-        batch: its input batch, length divisible by the world size (default: 4 rows a rank).
+        module: one module to train instead of the defaults.
+        modules: modules to train by name instead of the defaults (`default_modules`).
+        batch: the input batch, length a multiple of the world size (default: 4 rows a rank).
+        optimizers: module-level factories ``parameters -> optimizer``, each used in turn.
+        reference: the one-process strategy the training laws compare with
+            (derived from ``strategy`` when it is built from stratagem's parts).
+        contract: what ``strategy`` promises (`Contract`): synchronisation
+            period, buffers, tolerances.
+        skip: laws that do not apply, by name, each with the reason (kept in the report).
         portable_to: a single-process strategy that must load the checkpoints.
         directory: where the checkpoint law writes (a temporary directory when omitted).
-        tolerance: allowed parameter difference against plain PyTorch.
+        tolerance: an absolute tolerance for the training laws (first edition's
+            argument; ``contract=Contract(atol=...)`` says the same).
+
+    Returns:
+        A `Report` of the laws that passed and those skipped, with their reasons.
 
     Raises:
         LawViolation: the first law broken, with the input that broke it.
+        UsageError: an argument cannot test the laws (``skip`` names an unknown law, ...).
     """
+    skipped = _check_skip(skip)
+    terms = contract if contract is not None else Contract()
+    if tolerance is not None:
+        terms = attrs.evolve(terms, atol=tolerance)
+    trained = dict(modules) if modules is not None else default_modules()
+    if module is not None:
+        trained = {"module": module}
+    passed: list[str] = []
+
+    def run(law: str, check: Any, *args: Any, **kwargs: Any) -> None:
+        if law in skipped:
+            return
+        check(*args, **kwargs)
+        if law not in passed:
+            passed.append(law)
+
     with _world(world, world_size) as running:
         size = running.world_size
-        model = module if module is not None else default_module()
         data = (
             batch
             if batch is not None
@@ -83,24 +166,36 @@ def check_all(
         )
         values = [torch.tensor([1.5 * r - 2.0, 4.0 + r, -float(r)]) for r in range(size)]
         if size == 1:
-            laws.check_single_rank_identities(strategy, values[0], world=running)
+            run("single-rank-identities", laws.check_single_rank_identities, strategy, values[0],
+                world=running)  # fmt: skip
         for op in REDUCE_OPS:
-            laws.check_reduce(strategy, values, op, world=running)
-        laws.check_reduce(strategy, [v.long() for v in values], "max", world=running)
+            run("reduce-arithmetic", laws.check_reduce, strategy, values, op, world=running)
+        run("reduce-arithmetic", laws.check_reduce, strategy, [v.long() for v in values], "max",
+            world=running)  # fmt: skip
         for op in IDEMPOTENT_OPS:
-            laws.check_reduce_idempotent(strategy, values, op, world=running)
-        laws.check_gather(strategy, values, world=running)
-        laws.check_broadcast(strategy, values, world=running)
-        laws.check_wrap(strategy, model, data, world=running, tolerance=tolerance)
-        laws.check_data_parallel_step(strategy, model, data, world=running, tolerance=tolerance)
-        laws.check_accumulation(strategy, model, data, world=running, tolerance=tolerance)
+            run("reduce-idempotent", laws.check_reduce_idempotent, strategy, values, op,
+                world=running)  # fmt: skip
+        run("gather-order", laws.check_gather, strategy, values, world=running)
+        run("broadcast-from-every-source", laws.check_broadcast, strategy, values, world=running)
+        first = next(iter(trained.values()))
+        run("wrap-preserves", laws.check_wrap, strategy, first, data, world=running,
+            tolerance=terms.atol)  # fmt: skip
+        training = {"world": running, "reference": reference, "contract": terms}
+        for model in trained.values():
+            for optimizer in optimizers:
+                run("data-parallel-step", laws.check_data_parallel_step, strategy, model, data,
+                    optimizer=optimizer, **training)  # fmt: skip
+            run("accumulation", laws.check_accumulation, strategy, model, data, **training)
         if size > 1:
-            laws.check_no_sync(strategy, model, data, world=running)
-        laws.check_purity(strategy, model, data, world=running)
+            run("no-sync", laws.check_no_sync, strategy, first, data, world=running)
+        run("purity", laws.check_purity, strategy, first, data, world=running)
         precision = applied(strategy, PrecisionSetup)
         if precision is not None and precision.precision.endswith("-mixed"):
             dtype = torch.bfloat16 if precision.precision.startswith("bf16") else torch.float16
-            laws.check_step_autocast(strategy, model, data, dtype, world=running)
-        laws.check_checkpoint_round_trip(
-            strategy, model, data, world=running, portable_to=portable_to, directory=directory
-        )
+            run("step-autocast", laws.check_step_autocast, strategy, first, data, dtype,
+                world=running)  # fmt: skip
+        for model in trained.values():
+            run("checkpoint-round-trip", laws.check_checkpoint_round_trip, strategy, model, data,
+                world=running, portable_to=portable_to, directory=directory,
+                updates=terms.sync_every)  # fmt: skip
+    return Report(getattr(strategy, "name", type(strategy).__name__), tuple(passed), skipped)

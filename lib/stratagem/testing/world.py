@@ -4,11 +4,16 @@ Spawning a world costs seconds; a hypothesis test wants hundreds of examples.
 A `World` starts its ranks once and then runs each function on all of them,
 with the same calling convention as `stratagem.launch`.
 
-Each rank joins the world through the strategy's own ``setup`` the first time
-it sees that setup, and keeps the joined `Context` for every later run with an
-equal setup, so the process group is built once per kind of strategy, not per
-example. A run with a different setup leaves the old world (the old strategy's
-``teardown``) and joins anew through a fresh rendezvous store.
+Each rank joins the world through the base of the strategy's ``setup`` (what
+is left once the combinators' layers are peeled off: ``ddp()``'s join, say)
+the first time it sees that base, and keeps the joined `Context` for every
+later run with an equal base, so the process group is built once per kind of
+world, not per example or per combinator stack. The combinators' setup layers
+run again for every run, on that joined context: every run starts from fresh
+per-run state (``ctx.extras``: accumulation counters, scalers), so a law's
+verdict never depends on what ran before. A run with a different base leaves
+the old world (the old strategy's ``teardown``) and joins anew through a fresh
+rendezvous store.
 """
 
 from __future__ import annotations
@@ -25,7 +30,10 @@ from multiprocessing.process import BaseProcess
 from types import TracebackType
 from typing import Any, TypeVar
 
-from stratagem.env import Context
+import attrs
+
+from stratagem.combinators._base import peel, rebased
+from stratagem.env import Context, Env
 from stratagem.errors import LaunchError, RankError, UsageError, describe
 from stratagem.processes import (
     death_error,
@@ -193,11 +201,12 @@ class World:
         return self._collect()
 
     def _join_port(self, strategy: StrategyLike) -> int:
-        """Port of the rendezvous for ``strategy``'s setup: the current one, or a fresh one."""
-        if self._setup is None or self._setup != strategy.setup:
+        """Port of the rendezvous for the base of ``strategy``'s setup: the current one, or anew."""
+        base = peel(strategy.setup)[1]
+        if self._setup is None or self._setup != base:
             self._leave_store()
             self._port = self._store.enter_context(rendezvous(max(self.timeout, 30.0)))
-            self._setup, self._generation = strategy.setup, self._generation + 1
+            self._setup, self._generation = base, self._generation + 1
         return self._port
 
     def _collect(self) -> list[Any]:
@@ -245,6 +254,16 @@ class World:
         return [results[rank] for rank in range(self.world_size)]
 
 
+@attrs.frozen
+class _Joined:
+    """A setup base that returns the context joined earlier, so only the layers above run again."""
+
+    ctx: Context
+
+    def __call__(self, env: Env) -> Context:
+        return self.ctx
+
+
 def _rank_loop(rank: int, world_size: int, tasks: Connection, results: Connection) -> None:
     """Body of a world rank: run tasks until told to stop, rejoining when the setup changes."""
     joined: tuple[int, StrategyLike, Context] | None = None
@@ -267,11 +286,13 @@ def _rank_loop(rank: int, world_size: int, tasks: Connection, results: Connectio
             _, generation, port, payload = message
             try:
                 fn, strategy, args = pickle.loads(payload)
+                env = local_env(rank, world_size, port)
+                layers, base = peel(strategy.setup)
                 if joined is None or joined[0] != generation:
                     leave()
-                    ctx = strategy.setup(local_env(rank, world_size, port))
-                    joined = (generation, strategy, ctx)
-                result = fn(strategy, joined[2], *args)
+                    joined = (generation, strategy, base(env))
+                # The layers' per-run state is made afresh for every run, on the joined world.
+                result = fn(strategy, rebased(layers, _Joined(joined[2]))(env), *args)
                 send(results, ("ok", result))
             except BaseException as error:  # everything goes back to the parent
                 send_error(results, error)

@@ -16,8 +16,11 @@ from stratagem.testing.laws.collectives import check_reduce_idempotent as check_
 from stratagem.testing.laws.collectives import (
     check_single_rank_identities as check_single_rank_identities,
 )
-from stratagem.testing.laws.training import check_accumulation as check_accumulation
-from stratagem.testing.laws.training import check_data_parallel_step as check_data_parallel_step
+from stratagem.testing.laws.parallel import adamw as adamw
+from stratagem.testing.laws.parallel import check_accumulation as check_accumulation
+from stratagem.testing.laws.parallel import check_data_parallel_step as check_data_parallel_step
+from stratagem.testing.laws.parallel import sgd as sgd
+from stratagem.testing.laws.parallel import sgd_momentum as sgd_momentum
 from stratagem.testing.laws.training import check_no_sync as check_no_sync
 from stratagem.testing.laws.training import check_purity as check_purity
 from stratagem.testing.laws.training import check_step_autocast as check_step_autocast
@@ -25,6 +28,7 @@ from stratagem.testing.laws.training import check_wrap as check_wrap
 
 __all__ = [
     "LawViolation",
+    "adamw",
     "check_accumulation",
     "check_broadcast",
     "check_checkpoint_round_trip",
@@ -37,4 +41,6 @@ __all__ = [
     "check_single_rank_identities",
     "check_step_autocast",
     "check_wrap",
+    "sgd",
+    "sgd_momentum",
 ]

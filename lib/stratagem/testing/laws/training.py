@@ -1,8 +1,7 @@
-"""Laws of the training fields: wrap, step, backward, update, no_sync, and the record's purity.
+"""Laws of the training fields: wrap, step's autocast, no_sync, and the record's purity.
 
-The reference for every equivalence is a plain PyTorch loop in the calling
-process, never a stratagem strategy, so a law cannot be fooled by a bug that
-two strategies share.
+The laws that compare training with a reference (``data-parallel-step``,
+``accumulation``) are in `stratagem.testing.laws.parallel`.
 """
 
 from __future__ import annotations
@@ -30,8 +29,6 @@ from stratagem.testing.laws._core import (
 from stratagem.testing.world import World
 
 __all__ = [
-    "check_accumulation",
-    "check_data_parallel_step",
     "check_no_sync",
     "check_purity",
     "check_step_autocast",
@@ -39,19 +36,6 @@ __all__ = [
 ]
 
 Forward = Callable[[torch.nn.Module, Any], torch.Tensor]
-
-
-def reference_steps(
-    module: torch.nn.Module, batch: torch.Tensor, *, steps: int, lr: float, forward: Forward
-) -> list[torch.Tensor]:
-    """Plain PyTorch: ``steps`` SGD steps on the whole batch."""
-    model = fresh_copy(module)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    for _ in range(steps):
-        torch.autograd.backward(forward(model, batch))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return [p.detach().clone() for p in model.parameters()]
 
 
 def _train_rank(
@@ -76,103 +60,6 @@ def _train_rank(
                 strategy.backward(loss / len(pieces), model, ctx)
         strategy.update(optimizer, model, ctx)
     return full_parameters(model)
-
-
-def _compare_to_reference(
-    law: str,
-    strategy: StrategyLike,
-    inputs: str,
-    results: list[list[torch.Tensor]],
-    reference: list[torch.Tensor],
-    tolerance: float,
-    hint: str,
-) -> None:
-    for rank, parameters in enumerate(results):
-        mismatch = first_mismatch(parameters, reference, tolerance)
-        if mismatch is not None:
-            index, difference = mismatch
-            raise LawViolation(
-                law,
-                strategy,
-                inputs,
-                f"rank {rank}: parameter {index} differs by {difference:g} (tolerance "
-                f"{tolerance:g}) from plain PyTorch on the whole batch; {hint}",
-            )
-
-
-def check_data_parallel_step(
-    strategy: StrategyLike,
-    module: torch.nn.Module,
-    batch: torch.Tensor,
-    *,
-    world: World | None = None,
-    world_size: int = 2,
-    steps: int = 1,
-    lr: float = 0.1,
-    tolerance: float = 1e-6,
-    forward: Forward = squares_mean,
-) -> None:
-    """Law ``data-parallel-step``: N ranks on shares of a batch equal one process on all of it.
-
-    Every rank takes its contiguous share of ``batch`` (its length must divide
-    evenly), runs ``steps`` SGD steps through ``wrap``/``step``/``backward``/
-    ``update``, and must end with the parameters of plain PyTorch trained on the
-    whole batch. ``forward`` must return a mean over samples (the default: mean
-    of squared outputs). It must be importable, as must ``module``'s class.
-
-    Raises:
-        LawViolation: a rank's parameters differ beyond ``tolerance``.
-    """
-    size = world.world_size if world is not None else world_size
-    results = run_on(world, size, _train_rank, strategy, module, batch, steps, lr, forward, 1)
-    reference = reference_steps(module, batch, steps=steps, lr=lr, forward=forward)
-    _compare_to_reference(
-        "data-parallel-step",
-        strategy,
-        f"module={summarize(module)}, batch={summarize(batch)}, steps={steps}, lr={lr}",
-        results,
-        reference,
-        tolerance,
-        "a wrap or update that skips gradient synchronisation, or a reduce that sums "
-        "instead of averaging gradients, gives this",
-    )
-
-
-def check_accumulation(
-    strategy: StrategyLike,
-    module: torch.nn.Module,
-    batch: torch.Tensor,
-    *,
-    micro_batches: int = 2,
-    world: World | None = None,
-    world_size: int = 2,
-    lr: float = 0.1,
-    tolerance: float = 1e-6,
-    forward: Forward = squares_mean,
-) -> None:
-    """Law ``accumulation``: k micro-batches under ``no_sync``, one update, equal one big batch.
-
-    Each rank splits its share into ``micro_batches`` pieces, backpropagates
-    ``loss / k`` for each (inside ``no_sync`` except the last) and updates once.
-
-    Raises:
-        LawViolation: a rank's parameters differ beyond ``tolerance``.
-    """
-    size = world.world_size if world is not None else world_size
-    results = run_on(
-        world, size, _train_rank, strategy, module, batch, 1, lr, forward, micro_batches
-    )
-    reference = reference_steps(module, batch, steps=1, lr=lr, forward=forward)
-    _compare_to_reference(
-        "accumulation",
-        strategy,
-        f"module={summarize(module)}, batch={summarize(batch)}, micro_batches={micro_batches}",
-        results,
-        reference,
-        tolerance,
-        "no_sync that drops the accumulated gradients, or a last micro-batch that does not "
-        "synchronise, gives this",
-    )
 
 
 def _local_gradients(model: torch.nn.Module) -> list[torch.Tensor]:

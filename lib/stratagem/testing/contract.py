@@ -1,0 +1,86 @@
+"""`Contract`: what a strategy promises the laws, so that they check exactly that."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, get_args
+
+import attrs
+
+from stratagem.errors import UsageError, describe
+
+__all__ = ["Buffers", "Contract"]
+
+Buffers = Literal["broadcast", "per-rank"]
+_BUFFERS: tuple[str, ...] = get_args(Buffers)
+
+
+def _sync_every(instance: object, attribute: attrs.Attribute[int], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(
+            f"Contract: 'sync_every' must be a positive int, the updates between two "
+            f"synchronisations of the parameters (got {describe(value)})."
+        )
+
+
+def _buffers(instance: object, attribute: attrs.Attribute[Buffers | None], value: object) -> None:
+    if value is not None and value not in _BUFFERS:
+        raise UsageError(
+            f"Contract: 'buffers' must be None (read off the strategy), 'broadcast' or "
+            f"'per-rank' (got {describe(value)})."
+        )
+
+
+def _tolerance(instance: object, attribute: attrs.Attribute[float], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise UsageError(
+            f"Contract: '{attribute.name}' must be a finite number >= 0 (got {describe(value)})."
+        )
+
+
+def _flag(instance: object, attribute: attrs.Attribute[bool], value: object) -> None:
+    if not isinstance(value, bool):
+        raise UsageError(f"Contract: '{attribute.name}' must be True or False (got {value!r}).")
+
+
+@attrs.frozen(kw_only=True)
+class Contract:
+    """What a strategy promises: the training laws check this, and only this.
+
+    Attributes:
+        sync_every: updates between two synchronisations. 1 (data parallelism):
+            after every update each rank holds the reference's state. ``k > 1``
+            (local SGD): each rank trains its own share for ``k`` updates, then
+            the ranks average their parameters; the law's reference does the
+            same, rank by rank, and compares every rank after every update.
+        buffers: what happens to buffers (BatchNorm's running statistics):
+            ``"broadcast"``, rank 0's are copied to every rank before the first
+            forward of each optimizer step (``DistributedDataParallel``'s
+            ``broadcast_buffers``); ``"per-rank"``, each rank keeps its own after
+            wrap. ``None`` reads it off the strategy (``"broadcast"`` under a
+            ``ddp()`` wrap that broadcasts buffers, else ``"per-rank"``).
+        synced_init: the caller gives every rank the same module, so ``wrap``
+            need not broadcast; the laws then start every rank from the same
+            weights (by default rank ``r > 0`` starts from other weights, and
+            ``wrap`` must give it rank 0's).
+        rtol: relative tolerance of every comparison with the reference
+            (float32 sums in another order differ in their last bits, and a few
+            optimizer steps carry that on).
+        atol: absolute tolerance of every comparison with the reference.
+        exact: demand bit-for-bit equality (``rtol`` and ``atol`` of 0).
+
+    Example:
+        >>> Contract(sync_every=4).tolerances()
+        (0.0001, 1e-05)
+    """
+
+    sync_every: int = attrs.field(default=1, validator=_sync_every)
+    buffers: Buffers | None = attrs.field(default=None, validator=_buffers)
+    synced_init: bool = attrs.field(default=False, validator=_flag)
+    rtol: float = attrs.field(default=1e-4, validator=_tolerance)
+    atol: float = attrs.field(default=1e-5, validator=_tolerance)
+    exact: bool = attrs.field(default=False, validator=_flag)
+
+    def tolerances(self) -> tuple[float, float]:
+        """Return ``(rtol, atol)``, both 0 when ``exact``."""
+        return (0.0, 0.0) if self.exact else (self.rtol, self.atol)

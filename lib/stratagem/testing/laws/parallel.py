@@ -1,0 +1,516 @@
+"""Laws ``data-parallel-step`` and ``accumulation``: N ranks train as the derived reference does.
+
+Each rank starts from its own module (rank 0's is the given one; the others
+are perturbed, unless the contract says the caller synchronises
+initialisation), takes its contiguous share of every batch, and runs the
+user's loop for several steps: ``step``, ``backward`` and ``update`` per
+micro-batch (as many as ``accumulate`` asks for). The reference is the same
+stack without its distribution (`stratagem.testing.reference.undistributed`,
+or the caller's ``reference=``) in this process, fed the whole batch; its
+forward runs each rank's share separately, so batch statistics are per
+share, as on the ranks, and each share has its own copy of the buffers,
+broadcast from the first share before every step or kept apart, as the
+strategy does (`Contract.buffers`). After wrap and after every step the whole
+state of every rank (parameters, buffers, optimizer state, by key) must equal
+the reference's within the contract's tolerances.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from stratagem.checkpoint import unwrap
+from stratagem.combinators.accumulation import AccumulationState
+from stratagem.env import Env
+from stratagem.errors import UsageError, describe
+from stratagem.strategy import StrategyLike
+from stratagem.testing.contract import Contract
+from stratagem.testing.laws._core import LawViolation, run_on, squares_mean, summarize
+from stratagem.testing.laws.state import first_difference, hint, snapshot
+from stratagem.testing.reference import buffers_rule, undistributed
+from stratagem.testing.world import World
+from stratagem.trees import map_tensors, tensors_in
+
+__all__ = [
+    "adamw",
+    "check_accumulation",
+    "check_data_parallel_step",
+    "sgd",
+    "sgd_momentum",
+]
+
+Forward = Callable[[torch.nn.Module, Any], torch.Tensor]
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+Snapshots = list[dict[str, torch.Tensor]]
+
+
+def sgd(parameters: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """Plain SGD, ``lr=0.1``: the laws' simplest optimizer."""
+    return torch.optim.SGD(parameters, lr=0.1)
+
+
+def sgd_momentum(parameters: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """SGD with momentum 0.9, ``lr=0.1``: optimizer state that a strategy must keep right."""
+    return torch.optim.SGD(parameters, lr=0.1, momentum=0.9)
+
+
+def adamw(parameters: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """AdamW, ``lr=0.01``: two moments per parameter and a step count."""
+    return torch.optim.AdamW(parameters, lr=0.01)
+
+
+# --- batches -------------------------------------------------------------------------------
+
+
+def _length(batch: Any) -> int:
+    lengths = {t.shape[0] if t.dim() else -1 for t in tensors_in(batch)}
+    if len(lengths) != 1 or -1 in lengths:
+        raise UsageError(
+            f"laws: 'batch' must hold tensors that share their first dimension, the samples "
+            f"(got {summarize(batch) if isinstance(batch, torch.Tensor) else describe(batch)}); "
+            "pass a tensor, an (inputs, targets) tuple or a dict of tensors."
+        )
+    return lengths.pop()
+
+
+def share(batch: Any, parts: int, index: int) -> Any:
+    """Return part ``index`` of ``parts`` equal contiguous parts of every tensor in ``batch``."""
+    return map_tensors(lambda t: t.chunk(parts)[index], batch)
+
+
+def _joined(pieces: Sequence[Any]) -> Any:
+    """Concatenate batches of one structure along the first dimension, tensor by tensor."""
+    leaves = [list(tensors_in(piece)) for piece in pieces]
+    joined = iter([torch.cat(column) for column in zip(*leaves, strict=True)])
+    return map_tensors(lambda _: next(joined), pieces[0])
+
+
+def _check_inputs(module: object, batch: Any, world_size: int, forward: Forward) -> None:
+    if not isinstance(module, torch.nn.Module) or not any(
+        p.requires_grad for p in module.parameters()
+    ):
+        raise UsageError(
+            f"laws: 'module' must be a torch.nn.Module with trainable parameters (got "
+            f"{describe(module)}); the training laws compare what training changes."
+        )
+    if forward is squares_mean and not isinstance(batch, torch.Tensor):
+        raise UsageError(
+            f"laws: the default forward (mean of squared outputs) takes a tensor batch, got "
+            f"{describe(batch)}; pass forward=, a module-level function (module, batch) -> loss "
+            "that returns a mean over samples."
+        )
+    length = _length(batch)
+    if length % world_size:
+        raise UsageError(
+            f"laws: the batch has {length} samples, which {world_size} ranks cannot share "
+            f"equally; give a batch whose length is a multiple of {world_size}."
+        )
+
+
+# --- the ranks -----------------------------------------------------------------------------
+
+
+def perturbed(module: torch.nn.Module, rank: int) -> torch.nn.Module:
+    """Return a copy of ``module``; for ``rank > 0`` every float tensor of its state is moved.
+
+    Rank 0 keeps the given weights: a wrap that broadcasts rank 0's gives every
+    rank the reference's start, one that does not leaves the others elsewhere.
+    """
+    copied = copy.deepcopy(module)
+    if rank > 0:
+        generator = torch.Generator().manual_seed(rank)
+        with torch.no_grad():
+            for parameter in copied.parameters():
+                noise = torch.randn(parameter.shape, generator=generator, dtype=torch.float64)
+                parameter.add_(0.1 * noise.to(parameter.dtype))
+            for buffer in copied.buffers():
+                if buffer.is_floating_point():
+                    buffer.add_(0.25 * rank)  # keeps a variance positive
+    return copied
+
+
+@attrs.frozen
+class _Plan:
+    steps: int
+    micro: int | None  # None: as many as accumulate asks for (1 without it)
+    manual: bool  # the accumulation law: no_sync by hand, one update per step
+    synced_init: bool
+
+
+def _micro_batches(ctx_extras: Any, plan: _Plan) -> int:
+    if plan.micro is not None:
+        return plan.micro
+    state = ctx_extras.get("accumulation")
+    return state.every if isinstance(state, AccumulationState) else 1
+
+
+def _train(
+    strategy: StrategyLike,
+    ctx: Any,
+    model: torch.nn.Module,
+    optimizer: Any,
+    pieces: list[Any],
+    plan: _Plan,
+    forward: Forward,
+) -> None:
+    """One optimizer step of the user's loop, over ``pieces`` (this step's micro-batches)."""
+    for index, piece in enumerate(pieces):
+        last = index == len(pieces) - 1
+        syncing = contextlib.nullcontext() if last or not plan.manual else None
+        with syncing if syncing is not None else strategy.no_sync(model, ctx):
+            loss = strategy.step(model, piece, ctx, forward=forward)
+            strategy.backward(loss / len(pieces) if plan.manual else loss, model, ctx)
+        if not plan.manual:
+            strategy.update(optimizer, model, ctx)
+    if plan.manual:
+        strategy.update(optimizer, model, ctx)
+
+
+def _rank_run(
+    strategy: StrategyLike,
+    ctx: Any,
+    module: torch.nn.Module,
+    batch: Any,
+    plan: _Plan,
+    make_optimizer: OptimizerFactory,
+    forward: Forward,
+) -> tuple[int, Snapshots]:
+    start = perturbed(module, 0 if plan.synced_init else ctx.rank)
+    model = strategy.wrap(start, ctx)
+    optimizer = make_optimizer(model.parameters())
+    micro = _micro_batches(ctx.extras, plan)
+    mine = share(batch, ctx.world_size, ctx.rank)
+    pieces = [share(mine, micro, i) for i in range(micro)]
+    snapshots = [snapshot(model, optimizer)]
+    for _ in range(plan.steps):
+        _train(strategy, ctx, model, optimizer, pieces, plan, forward)
+        snapshots.append(snapshot(model, optimizer))
+    return micro, snapshots
+
+
+# --- the reference ---------------------------------------------------------------------------
+
+
+@attrs.define
+class _Shares:
+    """The reference's forward: each rank's share separately, each with its own buffers."""
+
+    forward: Forward
+    world_size: int
+    buffers: list[dict[str, torch.Tensor]]
+
+    def broadcast(self) -> None:
+        self.buffers = [{k: v.clone() for k, v in self.buffers[0].items()}] * self.world_size
+
+    def __call__(self, module: torch.nn.Module, batch: Any) -> torch.Tensor:
+        plain = unwrap(module)
+        losses = []
+        for rank in range(self.world_size):
+            # Each share gets buffer tensors of its own: a forward saves its running
+            # statistics for backward, so they must not be overwritten in place.
+            for key, value in self.buffers[rank].items():
+                owner, _, name = key.rpartition(".")
+                plain.get_submodule(owner)._buffers[name] = value.clone()  # noqa: SLF001
+            # Under autocast each share casts the weights anew, as each rank does: a cast
+            # shared by the shares would sum their gradients in the low precision.
+            torch.clear_autocast_cache()
+            losses.append(self.forward(module, share(batch, self.world_size, rank)))
+            self.buffers[rank] = {k: b.detach().clone() for k, b in plain.named_buffers()}
+        return torch.stack([loss.float() for loss in losses]).mean()
+
+
+def _per_rank_view(
+    model: torch.nn.Module, optimizer: Any, buffers: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    state = snapshot(model, optimizer)
+    persistent = set(unwrap(model).state_dict())
+    for key, value in buffers.items():
+        if key in persistent:
+            state[f"model.{key}"] = value.detach().cpu().clone()
+    return state
+
+
+def _reference_run(
+    reference: StrategyLike,
+    module: torch.nn.Module,
+    batch: Any,
+    world_size: int,
+    micro: int,
+    plan: _Plan,
+    rule: str,
+    make_optimizer: OptimizerFactory,
+    forward: Forward,
+) -> list[Snapshots]:
+    """Train the reference on whole micro-batches; return each rank's expected snapshots."""
+    ctx = reference.setup(Env())
+    try:
+        model = reference.wrap(copy.deepcopy(module), ctx)
+        optimizer = make_optimizer(model.parameters())
+        named = dict(unwrap(model).named_buffers())
+        shares_ = _Shares(
+            forward, world_size, [{k: b.detach().clone() for k, b in named.items()}] * world_size
+        )
+        per_rank = [share(batch, world_size, r) for r in range(world_size)]
+        pieces = [_joined([share(p, micro, i) for p in per_rank]) for i in range(micro)]
+        expected: list[Snapshots] = [[] for _ in range(world_size)]
+        for step in range(plan.steps + 1):
+            if step:
+                if rule == "broadcast":
+                    shares_.broadcast()
+                _train(reference, ctx, model, optimizer, pieces, plan, shares_)
+            for rank in range(world_size):
+                expected[rank].append(_per_rank_view(model, optimizer, shares_.buffers[rank]))
+        return expected
+    finally:
+        reference.teardown(ctx)
+
+
+def _local_reference_run(
+    reference: StrategyLike,
+    module: torch.nn.Module,
+    batch: Any,
+    world_size: int,
+    micro: int,
+    plan: _Plan,
+    sync_every: int,
+    make_optimizer: OptimizerFactory,
+    forward: Forward,
+) -> list[Snapshots]:
+    """Local SGD's reference: a replica per rank on its own share, parameters averaged every k."""
+    contexts = [reference.setup(Env()) for _ in range(world_size)]
+    try:
+        models = [reference.wrap(copy.deepcopy(module), ctx) for ctx in contexts]
+        optimizers = [make_optimizer(m.parameters()) for m in models]
+        shares_ = [share(batch, world_size, r) for r in range(world_size)]
+        expected: list[Snapshots] = [
+            [snapshot(m, o)] for m, o in zip(models, optimizers, strict=True)
+        ]
+        for step in range(1, plan.steps + 1):
+            for rank, (model, optimizer) in enumerate(zip(models, optimizers, strict=True)):
+                pieces = [share(shares_[rank], micro, i) for i in range(micro)]
+                _train(reference, contexts[rank], model, optimizer, pieces, plan, forward)
+            if step % sync_every == 0:
+                _average([unwrap(m) for m in models])
+            for rank in range(world_size):
+                expected[rank].append(snapshot(models[rank], optimizers[rank]))
+        return expected
+    finally:
+        for ctx in contexts:
+            reference.teardown(ctx)
+
+
+def _average(models: list[torch.nn.Module]) -> None:
+    with torch.no_grad():
+        for parameters in zip(*(m.parameters() for m in models), strict=True):
+            mean = torch.stack([p.detach() for p in parameters]).mean(dim=0)
+            for parameter in parameters:
+                parameter.copy_(mean)
+
+
+# --- the laws --------------------------------------------------------------------------------
+
+
+def _reference_for(
+    strategy: StrategyLike, reference: StrategyLike | None, every: int
+) -> StrategyLike:
+    return reference if reference is not None else undistributed(strategy, every=every)
+
+
+def _judge(
+    law: str,
+    strategy: StrategyLike,
+    inputs: str,
+    results: list[Snapshots],
+    expected: list[Snapshots],
+    contract: Contract,
+    hint_for_law: str,
+) -> None:
+    rtol, atol = contract.tolerances()
+    world_size = len(results)
+    steps = len(expected[0])
+    for step in range(steps):
+        for rank in range(world_size):
+            difference = first_difference(
+                results[rank][step], expected[rank][step], rtol=rtol, atol=atol
+            )
+            if difference is None:
+                continue
+            agree = all(
+                first_difference(
+                    results[r][step], results[0][step], rtol=rtol, atol=atol,
+                    keys=(difference.key,),
+                ) is None
+                or first_difference(
+                    expected[r][step], expected[0][step], rtol=rtol, atol=atol,
+                    keys=(difference.key,),
+                ) is not None
+                for r in range(world_size)
+            )  # fmt: skip
+            cause = hint(difference, expected[0][0], agree, world_size)
+            when = "after wrap" if step == 0 else f"after update {step}"
+            error = LawViolation(
+                law,
+                strategy,
+                inputs,
+                f"{when}, rank {rank}: {difference.describe()} against the reference "
+                f"(rtol {rtol:g}, atol {atol:g}); {cause}. {hint_for_law}",
+            )
+            error.step, error.rank, error.key = step, rank, difference.key  # type: ignore[attr-defined]
+            raise error
+
+
+def _check(
+    law: str,
+    strategy: StrategyLike,
+    module: torch.nn.Module,
+    batch: Any,
+    *,
+    plan: _Plan,
+    world: World | None,
+    world_size: int,
+    reference: StrategyLike | None,
+    contract: Contract,
+    optimizer: OptimizerFactory,
+    forward: Forward,
+    hint_for_law: str,
+) -> None:
+    size = world.world_size if world is not None else world_size
+    _check_inputs(module, batch, size, forward)
+    runs = run_on(world, size, _rank_run, strategy, module, batch, plan, optimizer, forward)
+    micro = runs[0][0]
+    if _length(batch) % (size * micro):
+        raise UsageError(
+            f"laws: each rank's share of {_length(batch) // size} samples does not split into "
+            f"{micro} equal micro-batches; give a batch whose length is a multiple of "
+            f"{size * micro}."
+        )
+    derived = _reference_for(strategy, reference, micro)
+    if contract.sync_every > 1:
+        expected = _local_reference_run(
+            derived, module, batch, size, micro, plan, contract.sync_every, optimizer, forward
+        )
+    else:
+        rule = buffers_rule(strategy, contract)
+        expected = _reference_run(
+            derived, module, batch, size, micro, plan, rule, optimizer, forward
+        )
+    inputs = (
+        f"module={summarize(module)}, batch={summarize(batch)}, steps={plan.steps}, "
+        f"micro-batches={micro}, optimizer={getattr(optimizer, '__name__', optimizer)}, "
+        f"reference={getattr(derived, 'name', derived)!r}"
+    )
+    _judge(law, strategy, inputs, [snaps for _, snaps in runs], expected, contract, hint_for_law)
+
+
+def check_data_parallel_step(
+    strategy: StrategyLike,
+    module: torch.nn.Module,
+    batch: Any,
+    *,
+    world: World | None = None,
+    world_size: int = 2,
+    steps: int = 3,
+    optimizer: OptimizerFactory = sgd_momentum,
+    reference: StrategyLike | None = None,
+    contract: Contract | None = None,
+    forward: Forward = squares_mean,
+    tolerance: float | None = None,
+) -> None:
+    """Law ``data-parallel-step``: N ranks train as the same stack on one process does.
+
+    See the module's docstring for the reference and what is compared.
+
+    Args:
+        strategy: the strategy under test (fields picklable: module-level or attrs callables).
+        module: the module to train; rank 0 starts from it, the others from
+            perturbed copies (``contract.synced_init`` starts all from it).
+        batch: a tensor, an ``(inputs, targets)`` tuple or a dict of tensors;
+            its length a multiple of the world size (times the micro-batches).
+        world: the `World` to run on (else one of ``world_size`` is started).
+        world_size: ranks to start when ``world`` is omitted.
+        steps: optimizer steps, each compared (at least ``contract.sync_every + 1``).
+        optimizer: a module-level function ``parameters -> optimizer``.
+        reference: a strategy that trains the same way in one process; derived
+            from ``strategy`` when it is built from stratagem's parts.
+        contract: what ``strategy`` promises (`Contract`); default ``Contract()``.
+        forward: a module-level function ``(module, batch) -> loss``, a mean over samples.
+        tolerance: an absolute tolerance, for callers of the first edition
+            (the same as ``contract=Contract(atol=tolerance)``).
+
+    Raises:
+        LawViolation: a rank's state differs from the reference's, naming the
+            first step, the rank, the key, the differences and a likely cause.
+        UsageError: the inputs cannot test the law (a batch the ranks cannot
+            share, a module without parameters, a reference that cannot be derived).
+    """
+    terms = _contract(contract, tolerance)
+    # At least one synchronisation of a strategy that synchronises every k updates.
+    count = max(_steps(steps), terms.sync_every + 1)
+    _check(
+        "data-parallel-step", strategy, module, batch,
+        plan=_Plan(count, None, manual=False, synced_init=terms.synced_init),
+        world=world, world_size=world_size, reference=reference, contract=terms,
+        optimizer=optimizer, forward=forward,
+        hint_for_law="A wrap or update that skips synchronisation, or a reduce that sums "
+        "where it should average, breaks this law.",
+    )  # fmt: skip
+
+
+def check_accumulation(
+    strategy: StrategyLike,
+    module: torch.nn.Module,
+    batch: Any,
+    *,
+    micro_batches: int = 2,
+    world: World | None = None,
+    world_size: int = 2,
+    steps: int = 2,
+    optimizer: OptimizerFactory = sgd_momentum,
+    reference: StrategyLike | None = None,
+    contract: Contract | None = None,
+    forward: Forward = squares_mean,
+    tolerance: float | None = None,
+) -> None:
+    """Law ``accumulation``: k micro-batches by hand under ``no_sync``, then one update.
+
+    Each rank splits its share into ``micro_batches`` pieces, backpropagates
+    ``loss / k`` for each (inside the strategy's ``no_sync`` but the last) and
+    updates once per step; the reference does the same on whole micro-batches.
+
+    Raises:
+        LawViolation: a rank's state differs from the reference's.
+        UsageError: as `check_data_parallel_step`.
+    """
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise UsageError(
+            f"check_accumulation: 'micro_batches' must be a positive int (got "
+            f"{describe(micro_batches)})."
+        )
+    terms = _contract(contract, tolerance)
+    _check(
+        "accumulation", strategy, module, batch,
+        plan=_Plan(_steps(steps), micro_batches, manual=True, synced_init=terms.synced_init),
+        world=world, world_size=world_size, reference=reference, contract=terms,
+        optimizer=optimizer, forward=forward,
+        hint_for_law="A no_sync that drops the accumulated gradients, or a last micro-batch "
+        "that does not synchronise, breaks this law.",
+    )  # fmt: skip
+
+
+def _contract(contract: Contract | None, tolerance: float | None) -> Contract:
+    if contract is not None and not isinstance(contract, Contract):
+        raise UsageError(f"laws: 'contract' must be a Contract (got {describe(contract)}).")
+    terms = contract if contract is not None else Contract()
+    return terms if tolerance is None else attrs.evolve(terms, atol=tolerance)
+
+
+def _steps(steps: object) -> int:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise UsageError(f"laws: 'steps' must be a positive int (got {describe(steps)}).")
+    return steps

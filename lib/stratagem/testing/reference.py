@@ -1,0 +1,110 @@
+"""The reference of a data-parallel law: the same stack with its distribution removed.
+
+``with_clipping(accumulate(ddp(), 2), max_norm=1.0)`` on N ranks is compared
+with ``with_clipping(accumulate(single_device("cpu"), 2), max_norm=1.0)`` in
+one process, on the whole batch: every combinator layer is kept (what it
+does to training is part of what the law checks), every base below them is
+replaced by ``single_device``'s. Tracing layers are left out (they record,
+they do not train).
+
+A base of the user's own (a custom ``update`` that averages parameters, a
+``wrap`` that casts) is replaced too: the law then checks that it trains as
+one process does, which is what data parallelism promises. A strategy that
+promises something else says so with a `Contract` (local SGD:
+``sync_every``), or passes its own ``reference=``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from stratagem.combinators._base import peel, rebased
+from stratagem.combinators.accumulation import AccumulationSetup
+from stratagem.combinators.tracing import Traced
+from stratagem.strategies.ddp import WrapDDP
+from stratagem.strategies.single import single_device
+from stratagem.strategy import FIELD_SIGNATURES, Strategy, StrategyLike
+from stratagem.testing.contract import Buffers, Contract
+
+__all__ = ["buffers_rule", "undistributed"]
+
+
+def undistributed(strategy: StrategyLike, *, every: int | None = None) -> Strategy:
+    """Return ``strategy``'s combinator layers over ``single_device("cpu")``.
+
+    Args:
+        strategy: a record, usually combinators over a built-in.
+        every: the micro-batches per step the ranks resolved for ``accumulate``
+            (a function of the world size must give the reference the ranks' count).
+
+    Example:
+        >>> import stratagem as sg
+        >>> clipped = sg.with_clipping(sg.ddp(), max_norm=1.0)
+        >>> undistributed(clipped).update.inner is sg.single_device().update
+        True
+    """
+    plain = single_device("cpu")
+    changes: dict[str, Any] = {}
+    peeled = {name: peel(getattr(strategy, name)) for name in FIELD_SIGNATURES}
+    # A layer may hold another field besides its inner one (accumulate's step holds the
+    # no_sync it enters): that one is replaced by the reference's field of the same name.
+    others = {
+        id(value): name
+        for name in FIELD_SIGNATURES
+        for value in (*peeled[name][0], peeled[name][1])
+    }
+    for name in FIELD_SIGNATURES:
+        layers = _combinator_layers(peeled[name][0])
+        kept = [layer for layer in layers if not isinstance(layer, Traced)]
+        if every is not None:
+            kept = [
+                attrs.evolve(layer, every=every) if isinstance(layer, AccumulationSetup) else layer
+                for layer in kept
+            ]
+        changes[name] = rebased(kept, getattr(plain, name))
+    for name, value in list(changes.items()):
+        changes[name] = _relinked(value, others, changes)
+    return attrs.evolve(
+        plain, name=f"{getattr(strategy, 'name', 'strategy')} on one process", **changes
+    )
+
+
+def _combinator_layers(layers: list[Any]) -> list[Any]:
+    """Return the outer layers that stratagem's combinators made; below them is the base.
+
+    A user's own wrapper (an attrs callable with an ``inner`` field, around
+    ``ddp()``'s wrap, say) is part of the strategy's base, replaced whole.
+    """
+    ours = []
+    for layer in layers:
+        if not type(layer).__module__.startswith("stratagem.combinators."):
+            break
+        ours.append(layer)
+    return ours
+
+
+def _relinked(value: Any, others: dict[int, str], changes: dict[str, Any]) -> Any:
+    """Return ``value`` with every layer's reference to an original field replaced."""
+    layers, base = peel(value)
+    relinked = []
+    for layer in layers:
+        swaps = {
+            attribute.name: changes[others[id(held)]]
+            for attribute in attrs.fields(type(layer))
+            if attribute.name != "inner" and id(held := getattr(layer, attribute.name)) in others
+        }
+        relinked.append(attrs.evolve(layer, **swaps) if swaps else layer)
+    return rebased(relinked, base)
+
+
+def buffers_rule(strategy: StrategyLike, contract: Contract) -> Buffers:
+    """Return what ``strategy`` does with buffers: the contract's word, or read off its wrap."""
+    if contract.buffers is not None:
+        return contract.buffers
+    layers, base = peel(strategy.wrap)
+    del layers
+    if isinstance(base, WrapDDP) and base.options.broadcast_buffers:
+        return "broadcast"
+    return "per-rank"

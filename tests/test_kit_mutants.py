@@ -1,0 +1,125 @@
+"""The kit against strategies researchers write: honest ones pass, planted bugs are caught.
+
+tests/kit_strategies.py holds the strategies; each mutant here names the law that must
+catch it and a fragment of the report (the likely cause the law reads off the pattern).
+"""
+
+from __future__ import annotations
+
+import random
+
+import attrs
+import pytest
+import torch
+
+import stratagem as sg
+from kit_strategies import (
+    CLIPPED,
+    CORRECT,
+    by_hand,
+    hooked,
+    local_sgd,
+    no_broadcast_wrap,
+    params_only_wrap,
+    unnormalised_backward,
+)
+from stratagem.testing import Contract, LawViolation, check_all, laws
+from stratagem.testing.modules import batchnorm_mlp, mlp
+
+pytestmark = pytest.mark.slow
+
+BATCH = torch.randn(8, 4, generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("name", sorted(CORRECT))
+def test_an_honest_custom_strategy_passes_check_all_with_its_contract(
+    stratagem_world, tmp_path, name
+):
+    strategy, contract, reference = CORRECT[name]
+    skip = {}
+    if contract.sync_every > 1:
+        skip["no-sync"] = "ranks agree every 4 updates, not after each"
+    report = check_all(
+        strategy,
+        world=stratagem_world,
+        contract=contract,
+        reference=reference,
+        skip=skip,
+        directory=tmp_path,
+    )
+    assert "data-parallel-step" in report.passed and "checkpoint-round-trip" in report.passed
+    assert report.skipped == skip
+    if skip:
+        assert "skipped: no-sync (ranks agree every 4 updates, not after each)" in str(report)
+
+
+LOCAL = Contract(sync_every=4, buffers="per-rank")
+
+# (strategy, module, contract, law, fragment of the report)
+MUTANTS = {
+    "local SGD that sums instead of averaging": (
+        local_sgd(4, divide=False), mlp, LOCAL, "data-parallel-step", "after update 4"),
+    "local SGD averaged on rank 0 only": (
+        local_sgd(4, all_ranks=False), mlp, LOCAL, "data-parallel-step", "after update 4, rank 1"),
+    "local SGD that forgets the initial broadcast": (
+        attrs.evolve(local_sgd(4), wrap=no_broadcast_wrap), mlp, LOCAL, "data-parallel-step",
+        "after wrap, rank 1"),
+    "comm hook that sums": (
+        hooked("sum"), mlp, Contract(), "data-parallel-step", "a sum where a mean belongs"),
+    "comm hook that divides twice": (
+        hooked("twice"), mlp, Contract(), "data-parallel-step", "divided by the world size twice"),
+    "parameters never broadcast at wrap": (
+        by_hand(wrap=no_broadcast_wrap), mlp, Contract(), "data-parallel-step",
+        "does not broadcast rank 0's weights"),
+    "buffers never synchronised": (
+        by_hand(wrap=params_only_wrap), batchnorm_mlp, Contract(), "data-parallel-step",
+        "different buffers"),
+    "clipping on the local norm before averaging": (
+        by_hand(clip=0.05, clip_first=True), mlp, Contract(), "data-parallel-step",
+        "after update 1"),
+    "accumulation whose loss is not divided by k": (
+        attrs.evolve(sg.ddp(), name="undivided", backward=unnormalised_backward), mlp, Contract(),
+        "data-parallel-step", "a sum where a mean belongs"),
+}  # fmt: skip
+# Mutants of a custom update that clips: the honest version's reference (the kit cannot know).
+REFERENCES = {"clipping on the local norm before averaging": CLIPPED}
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_a_planted_bug_is_caught_by_the_law_that_names_it(stratagem_world, name):
+    strategy, module, contract, law, fragment = MUTANTS[name]
+    with pytest.raises(LawViolation) as caught:
+        laws.check_data_parallel_step(
+            strategy, module(), BATCH, world=stratagem_world, contract=contract,
+            reference=REFERENCES.get(name),
+        )  # fmt: skip
+    assert caught.value.law == law
+    assert fragment in str(caught.value), str(caught.value)
+
+
+def verdicts(world, order):
+    found = {}
+    for name in order:
+        strategy, module, contract, _, _ = MUTANTS[name]
+        try:
+            laws.check_data_parallel_step(
+                strategy, module(), BATCH, world=world, contract=contract,
+                reference=REFERENCES.get(name),
+            )  # fmt: skip
+            found[name] = "passed"
+        except LawViolation as error:
+            found[name] = f"{error.law}: {error.difference}"
+    for _ in range(2):  # and honest strategies after, which must not be disturbed
+        strategy, contract, _ = CORRECT["allreduce-by-hand"]
+        laws.check_data_parallel_step(strategy, mlp(), BATCH, world=world, contract=contract)
+        laws.check_data_parallel_step(sg.accumulate(sg.ddp(), 2), mlp(), BATCH, world=world)
+    return found
+
+
+def test_a_law_suite_gives_the_same_verdicts_in_any_order(stratagem_world):
+    names = sorted(MUTANTS)
+    first = verdicts(stratagem_world, names)
+    shuffled = names[:]
+    random.Random(7).shuffle(shuffled)
+    assert verdicts(stratagem_world, shuffled) == first
+    assert all(verdict != "passed" for verdict in first.values())
