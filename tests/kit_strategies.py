@@ -7,6 +7,8 @@ records to its ranks. `CORRECT` holds the honest versions, each with the contrac
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import attrs
 import torch
 import torch.distributed as dist
@@ -191,3 +193,139 @@ CORRECT = {
     # A custom update that clips: only the user knows it clips, so the user names the reference.
     "allreduce-by-hand-clipped": (by_hand(clip=0.05), Contract(buffers="per-rank"), CLIPPED),
 }
+
+
+# --- a custom shard: DistributedSampler by hand ------------------------------------------------
+
+
+@attrs.define
+class EpochLoader:
+    """One rank's loader: advances its sampler's epoch at every pass (unless told to forget)."""
+
+    loader: object
+    sampler: object
+    advance: bool = True
+    epoch: int = 0
+
+    def __iter__(self):
+        if self.advance:
+            self.sampler.set_epoch(self.epoch)
+        self.epoch += 1
+        return iter(self.loader)
+
+    def __len__(self):
+        return len(self.loader)
+
+
+@attrs.frozen
+class SliceSampler:
+    """Contiguous shares of a shuffled order: bugs switch in an overlap or rank 0's share."""
+
+    size: int
+    rank: int
+    world_size: int
+    overlap: bool = False
+    everyone_reads_rank_zero: bool = False
+    epoch: list = attrs.field(factory=lambda: [0])
+
+    def set_epoch(self, epoch):
+        self.epoch[0] = epoch
+
+    def __iter__(self):
+        order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.epoch[0]))
+        share = self.size // self.world_size
+        rank = 0 if self.everyone_reads_rank_zero else self.rank
+        stop = (rank + 1) * share + (1 if self.overlap else 0)
+        return iter(order[rank * share : stop].tolist())
+
+    def __len__(self):
+        return self.size // self.world_size + (1 if self.overlap else 0)
+
+
+@attrs.frozen
+class CustomShard:
+    """Shard: a DistributedSampler (or a slicing sampler) and an epoch that advances."""
+
+    sampler: str = "distributed"  # or "slices"
+    advance: bool = True
+    overlap: bool = False
+    everyone_reads_rank_zero: bool = False
+
+    def __call__(self, loader, ctx):
+        from torch.utils.data import DataLoader, DistributedSampler
+
+        if self.sampler == "distributed":
+            sampler = DistributedSampler(
+                loader.dataset, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
+                seed=0, drop_last=True,
+            )  # fmt: skip
+        else:
+            sampler = SliceSampler(
+                len(loader.dataset), ctx.rank, ctx.world_size, self.overlap,
+                self.everyone_reads_rank_zero,
+            )  # fmt: skip
+        rebuilt = DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler)
+        return EpochLoader(rebuilt, sampler, self.advance)
+
+
+def custom_shard(**options):
+    name = "custom-shard" + "".join(f"-{k}" for k in options)
+    return attrs.evolve(sg.ddp(), name=name, shard=CustomShard(**options))
+
+
+# --- custom save and load: one torch.save file, written by rank 0 ----------------------------
+
+
+@attrs.frozen
+class TorchSave:
+    """Save: rank 0 writes {model, optimizer, values} with torch.save (bugs: drop buffers)."""
+
+    buffers: bool = True
+
+    def __call__(self, path, state, ctx):
+        blob = {"values": {}, "per_rank": {}}
+        for name, value in state.items():
+            if isinstance(value, torch.nn.Module):
+                plain = sg.unwrap(value)
+                params = {n: p.detach().clone() for n, p in plain.named_parameters()}
+                blob[name] = plain.state_dict() if self.buffers else params
+            elif isinstance(value, torch.optim.Optimizer):
+                blob[name] = value.state_dict()
+            elif isinstance(value, sg.checkpoint.PerRank):
+                blob["per_rank"][name] = value.value
+            else:
+                blob["values"][name] = value
+        gathered = [None] * ctx.world_size
+        dist.all_gather_object(gathered, blob["per_rank"], group=ctx.group)
+        blob["per_rank"] = gathered
+        if ctx.rank == 0:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            torch.save(blob, path)
+        dist.barrier(group=ctx.group)
+
+
+@attrs.frozen
+class TorchLoad:
+    """Load: every rank reads the file (bug switch: strict=False, missing keys ignored)."""
+
+    strict: bool = True
+
+    def __call__(self, path, state, ctx):
+        blob = torch.load(path, weights_only=True)
+        for name, value in state.items():
+            if isinstance(value, torch.nn.Module):
+                sg.unwrap(value).load_state_dict(blob[name], strict=self.strict)
+            elif isinstance(value, torch.optim.Optimizer):
+                value.load_state_dict(blob[name])
+        return {**blob["values"], **blob["per_rank"][ctx.rank]}
+
+
+def torch_checkpoints(**bugs):
+    save_bugs = {k: v for k, v in bugs.items() if k == "buffers"}
+    load_bugs = {k: v for k, v in bugs.items() if k == "strict"}
+    return attrs.evolve(
+        sg.ddp(),
+        name="torch-save" + "".join(f"-{k}" for k in bugs),
+        save=TorchSave(**save_bugs),
+        load=TorchLoad(**load_bugs),
+    )

@@ -17,10 +17,12 @@ from kit_strategies import (
     CLIPPED,
     CORRECT,
     by_hand,
+    custom_shard,
     hooked,
     local_sgd,
     no_broadcast_wrap,
     params_only_wrap,
+    torch_checkpoints,
     unnormalised_backward,
 )
 from stratagem.testing import Contract, LawViolation, check_all, laws
@@ -123,3 +125,58 @@ def test_a_law_suite_gives_the_same_verdicts_in_any_order(stratagem_world):
     random.Random(7).shuffle(shuffled)
     assert verdicts(stratagem_world, shuffled) == first
     assert all(verdict != "passed" for verdict in first.values())
+
+
+# --- shard ---------------------------------------------------------------------------------
+
+
+def test_an_honest_custom_shard_and_every_built_in_shard_keep_the_partition(stratagem_world):
+    for strategy in (custom_shard(), custom_shard(sampler="slices"), sg.ddp(), sg.fsdp()):
+        laws.check_shard_partition(strategy, world=stratagem_world)
+        laws.check_shard_partition(strategy, world=stratagem_world, shuffle=False, size=24)
+
+
+SHARD_MUTANTS = {
+    "neighbouring ranks overlap": (custom_shard(sampler="slices", overlap=True), "went to rank"),
+    "every rank reads rank 0's share": (
+        custom_shard(sampler="slices", everyone_reads_rank_zero=True),
+        "read exactly rank 0's samples"),
+    "set_epoch never called": (custom_shard(advance=False), "never advances"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(SHARD_MUTANTS))
+def test_a_planted_shard_bug_is_caught(stratagem_world, name):
+    strategy, fragment = SHARD_MUTANTS[name]
+    with pytest.raises(LawViolation) as caught:
+        laws.check_shard_partition(strategy, world=stratagem_world)
+    assert caught.value.law == "shard-partition"
+    assert fragment in str(caught.value), str(caught.value)
+
+
+# --- save and load -----------------------------------------------------------------------------
+
+
+def test_an_honest_custom_save_and_load_keep_the_checkpoint_laws(stratagem_world, tmp_path):
+    for name, module in (("mlp", mlp), ("batchnorm", batchnorm_mlp)):
+        laws.check_checkpoint_round_trip(
+            torch_checkpoints(), module(), BATCH, world=stratagem_world, directory=tmp_path / name
+        )
+    laws.check_checkpoint_strict(torch_checkpoints(), mlp(), world=stratagem_world,
+                                 directory=tmp_path)  # fmt: skip
+
+
+def test_a_save_that_loses_buffers_is_caught(stratagem_world, tmp_path):
+    # With a strict load the loss is loud (load raises); with a lenient one it is silent.
+    with pytest.raises(LawViolation, match=r"model\.1\.running_mean"):
+        laws.check_checkpoint_round_trip(
+            torch_checkpoints(buffers=False, strict=False), batchnorm_mlp(), BATCH, world=stratagem_world,
+            directory=tmp_path,
+        )  # fmt: skip
+
+
+def test_a_load_that_ignores_missing_keys_is_caught(stratagem_world, tmp_path):
+    with pytest.raises(LawViolation, match=r"(?s)'checkpoint-strict'.*lacks a key of the target"):
+        laws.check_checkpoint_strict(
+            torch_checkpoints(strict=False), mlp(), world=stratagem_world, directory=tmp_path
+        )

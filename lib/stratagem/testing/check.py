@@ -38,6 +38,8 @@ LAWS: tuple[str, ...] = (
     "purity",
     "step-autocast",
     "checkpoint-round-trip",
+    "checkpoint-strict",
+    "shard-partition",
 )
 """The laws `check_all` runs, by the names ``skip`` takes and violations carry."""
 
@@ -112,8 +114,9 @@ def check_all(
     the derived reference (several steps, each optimizer, each module: by
     default a plain MLP, one with BatchNorm and one with tied weights),
     ``no_sync`` (on more than one rank), purity, autocast in ``step`` when the
-    strategy has a mixed precision, and the checkpoint round trip (portable to
-    ``portable_to`` when given). On one rank, the collectives must be identities.
+    strategy has a mixed precision, the checkpoint round trip (portable to
+    ``portable_to`` when given) and strict loading, and the partition that
+    ``shard`` deals. On one rank, the collectives must be identities.
 
     Args:
         strategy: the record to check (its fields must be picklable: module-level
@@ -198,4 +201,7 @@ def check_all(
             run("checkpoint-round-trip", laws.check_checkpoint_round_trip, strategy, model, data,
                 world=running, portable_to=portable_to, directory=directory,
                 updates=terms.sync_every)  # fmt: skip
+        run("checkpoint-strict", laws.check_checkpoint_strict, strategy, first, world=running,
+            directory=directory)  # fmt: skip
+        run("shard-partition", laws.check_shard_partition, strategy, world=running)
     return Report(getattr(strategy, "name", type(strategy).__name__), tuple(passed), skipped)

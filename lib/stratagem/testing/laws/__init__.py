@@ -9,6 +9,7 @@ from stratagem.testing.laws._core import LawViolation as LawViolation
 from stratagem.testing.laws.checkpoint import (
     check_checkpoint_round_trip as check_checkpoint_round_trip,
 )
+from stratagem.testing.laws.checkpoint import check_checkpoint_strict as check_checkpoint_strict
 from stratagem.testing.laws.collectives import check_broadcast as check_broadcast
 from stratagem.testing.laws.collectives import check_gather as check_gather
 from stratagem.testing.laws.collectives import check_reduce as check_reduce
@@ -21,6 +22,7 @@ from stratagem.testing.laws.parallel import check_accumulation as check_accumula
 from stratagem.testing.laws.parallel import check_data_parallel_step as check_data_parallel_step
 from stratagem.testing.laws.parallel import sgd as sgd
 from stratagem.testing.laws.parallel import sgd_momentum as sgd_momentum
+from stratagem.testing.laws.sharding import check_shard_partition as check_shard_partition
 from stratagem.testing.laws.training import check_no_sync as check_no_sync
 from stratagem.testing.laws.training import check_purity as check_purity
 from stratagem.testing.laws.training import check_step_autocast as check_step_autocast
@@ -32,12 +34,14 @@ __all__ = [
     "check_accumulation",
     "check_broadcast",
     "check_checkpoint_round_trip",
+    "check_checkpoint_strict",
     "check_data_parallel_step",
     "check_gather",
     "check_no_sync",
     "check_purity",
     "check_reduce",
     "check_reduce_idempotent",
+    "check_shard_partition",
     "check_single_rank_identities",
     "check_step_autocast",
     "check_wrap",

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from stratagem.checkpoint.owners import per_rank
+from stratagem.combinators.accumulation import AccumulationState
 from stratagem.env import Context, Env
 from stratagem.strategy import StrategyLike
 from stratagem.testing.laws._core import (
@@ -26,7 +28,7 @@ from stratagem.testing.laws._core import (
 from stratagem.testing.laws.state import first_difference, snapshot
 from stratagem.testing.world import World
 
-__all__ = ["check_checkpoint_round_trip"]
+__all__ = ["check_checkpoint_round_trip", "check_checkpoint_strict"]
 
 _PLAIN_VALUES = {"step": 3, "note": "law"}
 
@@ -42,7 +44,9 @@ def _round_trip_rank(
     model = strategy.wrap(fresh_copy(module), ctx)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # momentum: real state
     mine = shares(batch, ctx.world_size)[ctx.rank]
-    for _ in range(updates):  # a strategy that synchronises every k updates is saved in sync
+    # Whole windows of accumulate, and (a strategy that synchronises every k updates) k of them.
+    window = ctx.extras.get("accumulation")
+    for _ in range(updates * (window.every if isinstance(window, AccumulationState) else 1)):
         strategy.backward(strategy.step(model, mine, ctx, forward=squares_mean), model, ctx)
         strategy.update(optimizer, model, ctx)
     strategy.save(path, {"model": model, "optimizer": optimizer, **_PLAIN_VALUES}, ctx)
@@ -169,3 +173,77 @@ def _check_portable(
             f"{getattr(target, 'name', target)!r} loaded parameter {mismatch[0]} with a "
             f"difference of {mismatch[1]:g}",
         )
+
+
+def _extended(module: torch.nn.Module) -> torch.nn.Module:
+    """Return a copy of ``module`` with one more parameter (a key its checkpoint lacks)."""
+    bigger = fresh_copy(module)
+    bigger.register_parameter("stratagem_law_extra", torch.nn.Parameter(torch.zeros(1)))
+    return bigger
+
+
+def _strict_rank(
+    strategy: StrategyLike, ctx: Any, module: torch.nn.Module, path: str
+) -> dict[str, Any]:
+    outcome: dict[str, Any] = {}
+    strategy.save(f"{path}-plain", {"model": fresh_copy(module), "step": 1}, ctx)
+    strategy.save(f"{path}-bigger", {"model": _extended(module), "step": 1}, ctx)
+    for case, saved, target in (
+        ("missing", "plain", _extended(module)),  # the target has a key the checkpoint lacks
+        ("unexpected", "bigger", fresh_copy(module)),  # the checkpoint has one the target lacks
+    ):
+        try:
+            strategy.load(f"{path}-{saved}", {"model": target}, ctx)
+            outcome[case] = None
+        except Exception as error:  # any error is a refusal; the law asks only for one
+            outcome[case] = type(error).__name__
+    mark = torch.tensor([float(ctx.rank)])
+    strategy.save(f"{path}-ranks", {"mark": per_rank(mark), "step": 2}, ctx)
+    outcome["per_rank"] = strategy.load(f"{path}-ranks", {}, ctx).get("mark")
+    return outcome
+
+
+def check_checkpoint_strict(
+    strategy: StrategyLike,
+    module: torch.nn.Module,
+    *,
+    directory: str | os.PathLike[str] | None = None,
+    world: World | None = None,
+    world_size: int = 2,
+) -> None:
+    """Law ``checkpoint-strict``: a load refuses keys that do not match; per-rank values return.
+
+    Loading a checkpoint that lacks a key the target has must raise, and so
+    must one that holds a key the target lacks; a value saved with
+    ``sg.per_rank`` comes back to the rank that saved it.
+
+    Raises:
+        LawViolation: a mismatched load went through silently, or a rank got
+            another rank's per-rank value.
+    """
+    size = world.world_size if world is not None else world_size
+    inputs = f"module={summarize(module)}"
+    with _directory(directory) as root:
+        path = os.path.join(root, "strict")
+        results = run_on(world, size, _strict_rank, strategy, module, path)
+    for rank, outcome in enumerate(results):
+        for case, what in (
+            ("missing", "a checkpoint that lacks a key of the target"),
+            ("unexpected", "a checkpoint with a key the target lacks"),
+        ):
+            if outcome[case] is None:
+                raise LawViolation(
+                    "checkpoint-strict",
+                    strategy,
+                    inputs,
+                    f"rank {rank}: loading {what} raised nothing; a load that ignores "
+                    "missing or unexpected keys (strict=False) gives this",
+                )
+        mark = outcome["per_rank"]
+        if not isinstance(mark, torch.Tensor) or mark.tolist() != [float(rank)]:
+            raise LawViolation(
+                "checkpoint-strict",
+                strategy,
+                inputs,
+                f"rank {rank}: the per-rank value it saved came back as {mark!r}",
+            )

@@ -222,7 +222,17 @@ class _Shares:
             torch.clear_autocast_cache()
             losses.append(self.forward(module, share(batch, self.world_size, rank)))
             self.buffers[rank] = {k: b.detach().clone() for k, b in plain.named_buffers()}
-        return torch.stack([loss.float() for loss in losses]).mean()
+        # The sum, not the mean: each share's graph gets the gradient a rank's gets (under
+        # loss scaling, the same scale), and `_averaging` divides the parameters' gradients.
+        return torch.stack([loss.float() for loss in losses]).sum()
+
+
+def _averaging(model: torch.nn.Module, world_size: int) -> None:
+    """Divide every parameter's gradient by ``world_size`` as it arrives: the ranks' average."""
+    if world_size > 1:
+        for parameter in unwrap(model).parameters():
+            if parameter.requires_grad:
+                parameter.register_hook(lambda grad: grad / world_size)  # type: ignore[no-untyped-call]
 
 
 def _per_rank_view(
@@ -251,6 +261,7 @@ def _reference_run(
     ctx = reference.setup(Env())
     try:
         model = reference.wrap(copy.deepcopy(module), ctx)
+        _averaging(model, world_size)
         optimizer = make_optimizer(model.parameters())
         named = dict(unwrap(model).named_buffers())
         shares_ = _Shares(

@@ -133,11 +133,10 @@ def check_no_sync(
 
 def _purity_rank(
     strategy: StrategyLike, ctx: Any, module: torch.nn.Module, batch: torch.Tensor, forward: Forward
-) -> tuple[bytes, bytes, list[torch.Tensor], list[torch.Tensor]]:
+) -> tuple[bytes, bytes, list[torch.Tensor]]:
     before = pickle.dumps(strategy)
-    first = _train_rank(strategy, ctx, module, batch, 1, 0.1, forward, 1)
-    second = _train_rank(strategy, ctx, module, batch, 1, 0.1, forward, 1)
-    return before, pickle.dumps(strategy), first, second
+    trained = _train_rank(strategy, ctx, module, batch, 1, 0.1, forward, 1)
+    return before, pickle.dumps(strategy), trained
 
 
 def check_purity(
@@ -157,7 +156,11 @@ def check_purity(
     """
     size = world.world_size if world is not None else world_size
     inputs = f"module={summarize(module)}, batch={summarize(batch)}"
-    results = run_on(world, size, _purity_rank, strategy, module, batch, forward)
+    # Two runs, each with its own per-run state (a World makes ctx.extras afresh for every
+    # run; without a World, each run is a world of its own).
+    first_run = run_on(world, size, _purity_rank, strategy, module, batch, forward)
+    second_run = run_on(world, size, _purity_rank, strategy, module, batch, forward)
+    results = [(*a, b[2]) for a, b in zip(first_run, second_run, strict=True)]
     for rank, (before, after, first, second) in enumerate(results):
         if before != after:
             raise LawViolation(
