@@ -57,7 +57,7 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    install(session)
+    install(session, "testing")  # testing: world_examples runs a hypothesis property
     session.run("python", "-m", "benchmarks", *session.posargs)
 
 

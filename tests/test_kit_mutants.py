@@ -180,3 +180,12 @@ def test_a_load_that_ignores_missing_keys_is_caught(stratagem_world, tmp_path):
         laws.check_checkpoint_strict(
             torch_checkpoints(strict=False), mlp(), world=stratagem_world, directory=tmp_path
         )
+
+
+def test_ranks_in_sync_catches_ranks_that_drift_apart(stratagem_world):
+    laws.check_ranks_in_sync(by_hand(), mlp(), BATCH, world=stratagem_world)
+    laws.check_ranks_in_sync(local_sgd(4), mlp(), BATCH, world=stratagem_world, contract=LOCAL)
+    with pytest.raises(LawViolation, match=r"(?s)'ranks-in-sync'.*after update 4, rank 1"):
+        laws.check_ranks_in_sync(
+            local_sgd(4, all_ranks=False), mlp(), BATCH, world=stratagem_world, contract=LOCAL
+        )

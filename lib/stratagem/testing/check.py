@@ -35,6 +35,7 @@ LAWS: tuple[str, ...] = (
     "data-parallel-step",
     "accumulation",
     "no-sync",
+    "ranks-in-sync",
     "purity",
     "step-autocast",
     "checkpoint-round-trip",
@@ -191,6 +192,9 @@ def check_all(
             run("accumulation", laws.check_accumulation, strategy, model, data, **training)
         if size > 1:
             run("no-sync", laws.check_no_sync, strategy, first, data, world=running)
+            for model in trained.values():
+                run("ranks-in-sync", laws.check_ranks_in_sync, strategy, model, data,
+                    world=running, contract=terms)  # fmt: skip
         run("purity", laws.check_purity, strategy, first, data, world=running)
         precision = applied(strategy, PrecisionSetup)
         if precision is not None and precision.precision.endswith("-mixed"):

@@ -2,10 +2,14 @@
 
 Each raises `LawViolation` (an ``AssertionError``) naming the law, the
 strategy, the input and the difference found. Laws that need several ranks
-take a `World` (``world=``) or start one for the call.
+take a `World` (``world=``) or start one for the call. A law of your own is
+built from the same parts: `run_on` (a function on every rank, results in
+rank order), `snapshot` (a module's and optimizer's whole state by key),
+`first_difference` (by key, with tolerances) and `LawViolation`.
 """
 
 from stratagem.testing.laws._core import LawViolation as LawViolation
+from stratagem.testing.laws._core import run_on as run_on
 from stratagem.testing.laws.checkpoint import (
     check_checkpoint_round_trip as check_checkpoint_round_trip,
 )
@@ -23,6 +27,9 @@ from stratagem.testing.laws.parallel import check_data_parallel_step as check_da
 from stratagem.testing.laws.parallel import sgd as sgd
 from stratagem.testing.laws.parallel import sgd_momentum as sgd_momentum
 from stratagem.testing.laws.sharding import check_shard_partition as check_shard_partition
+from stratagem.testing.laws.state import first_difference as first_difference
+from stratagem.testing.laws.state import snapshot as snapshot
+from stratagem.testing.laws.sync import check_ranks_in_sync as check_ranks_in_sync
 from stratagem.testing.laws.training import check_no_sync as check_no_sync
 from stratagem.testing.laws.training import check_purity as check_purity
 from stratagem.testing.laws.training import check_step_autocast as check_step_autocast
@@ -39,12 +46,16 @@ __all__ = [
     "check_gather",
     "check_no_sync",
     "check_purity",
+    "check_ranks_in_sync",
     "check_reduce",
     "check_reduce_idempotent",
     "check_shard_partition",
     "check_single_rank_identities",
     "check_step_autocast",
     "check_wrap",
+    "first_difference",
+    "run_on",
     "sgd",
     "sgd_momentum",
+    "snapshot",
 ]

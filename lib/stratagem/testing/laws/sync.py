@@ -1,0 +1,91 @@
+"""Law ``ranks-in-sync``: after each synchronising update every rank holds the same state.
+
+Written with the helpers a user's own law uses (see docs/testing.md): run a
+function on every rank (`run_on`), take the whole state by key (`snapshot`),
+compare with tolerances (`first_difference`), report (`LawViolation`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from stratagem.strategy import StrategyLike
+from stratagem.testing.contract import Contract
+from stratagem.testing.laws._core import LawViolation, run_on, squares_mean, summarize
+from stratagem.testing.laws.parallel import OptimizerFactory, perturbed, sgd_momentum, share
+from stratagem.testing.laws.state import first_difference, snapshot
+from stratagem.testing.world import World
+
+__all__ = ["check_ranks_in_sync"]
+
+
+def _states(
+    strategy: StrategyLike,
+    ctx: Any,
+    module: torch.nn.Module,
+    batch: torch.Tensor,
+    updates: int,
+    make_optimizer: OptimizerFactory,
+) -> list[dict[str, torch.Tensor]]:
+    model = strategy.wrap(perturbed(module, ctx.rank), ctx)
+    optimizer = make_optimizer(model.parameters())
+    mine = share(batch, ctx.world_size, ctx.rank)
+    states = []
+    for _ in range(updates):
+        loss = strategy.step(model, mine, ctx, forward=squares_mean)
+        strategy.backward(loss, model, ctx)
+        strategy.update(optimizer, model, ctx)
+        states.append(snapshot(model, optimizer))
+    return states
+
+
+def check_ranks_in_sync(
+    strategy: StrategyLike,
+    module: torch.nn.Module,
+    batch: torch.Tensor,
+    *,
+    world: World | None = None,
+    world_size: int = 2,
+    contract: Contract | None = None,
+    optimizer: OptimizerFactory = sgd_momentum,
+) -> None:
+    """Law ``ranks-in-sync``: after every k-th update (``contract.sync_every``) ranks agree.
+
+    Parameters and optimizer state must be equal on every rank within the
+    contract's tolerances (with ``sync_every > 1``, local SGD, the parameters
+    only: each rank keeps its own optimizer state). Buffers are left to
+    ``data-parallel-step``: even broadcast ones differ between two forwards.
+
+    Raises:
+        LawViolation: a rank's state differs from rank 0's at a synchronisation point.
+    """
+    terms = contract if contract is not None else Contract()
+    size = world.world_size if world is not None else world_size
+    updates = 2 * terms.sync_every
+    results = run_on(world, size, _states, strategy, module, batch, updates, optimizer)
+    rtol, atol = terms.tolerances()
+    inputs = f"module={summarize(module)}, batch={summarize(batch)}, updates={updates}"
+    buffers = {f"model.{name}" for name, _ in module.named_buffers()}
+    for index in range(terms.sync_every - 1, updates, terms.sync_every):
+        reference = results[0][index]
+        # Local SGD (sync_every > 1) averages parameters; each rank's optimizer state is its own.
+        keys = tuple(
+            k
+            for k in reference
+            if k not in buffers and (terms.sync_every == 1 or k.startswith("model."))
+        )
+        for rank in range(1, size):
+            difference = first_difference(
+                results[rank][index], reference, rtol=rtol, atol=atol, keys=keys
+            )
+            if difference is not None:
+                raise LawViolation(
+                    "ranks-in-sync",
+                    strategy,
+                    inputs,
+                    f"after update {index + 1}, rank {rank}: {difference.describe('rank 0')}; "
+                    "the ranks should agree here (a missing broadcast, or an update that "
+                    "does not synchronise, gives this)",
+                )
