@@ -189,3 +189,37 @@ def test_ranks_in_sync_catches_ranks_that_drift_apart(stratagem_world):
         laws.check_ranks_in_sync(
             local_sgd(4, all_ranks=False), mlp(), BATCH, world=stratagem_world, contract=LOCAL
         )
+
+
+# --- batches the user's loss reads, and preconditions --------------------------------------
+
+
+def pair_loss(module, batch):
+    inputs, targets = batch
+    return (module(inputs) - targets).pow(2).mean()
+
+
+def dict_loss(module, batch):
+    return (module(batch["x"]) - batch["y"]).pow(2).mean()
+
+
+def test_tuple_and_dict_batches_with_a_user_loss_work_in_the_training_laws(stratagem_world):
+    inputs, targets = BATCH, torch.randn(8, 2, generator=torch.Generator().manual_seed(4))
+    for strategy in (sg.ddp(), sg.accumulate(sg.fsdp(), 2)):
+        laws.check_data_parallel_step(
+            strategy, batchnorm_mlp(), (inputs, targets), world=stratagem_world, forward=pair_loss
+        )
+        laws.check_accumulation(
+            strategy, mlp(), {"x": inputs, "y": targets}, world=stratagem_world, forward=dict_loss
+        )
+
+
+def test_inputs_that_cannot_test_a_law_are_usage_errors_not_violations(stratagem_world):
+    with pytest.raises(sg.UsageError, match=r"the batch has 7 samples, which 2 ranks cannot"):
+        laws.check_data_parallel_step(sg.ddp(), mlp(), BATCH[:7], world=stratagem_world)
+    with pytest.raises(sg.UsageError, match=r"'module' must be a torch.nn.Module with trainable"):
+        laws.check_data_parallel_step(sg.ddp(), torch.nn.ReLU(), BATCH, world=stratagem_world)
+    with pytest.raises(sg.UsageError, match=r"the default forward .* takes a tensor batch"):
+        laws.check_data_parallel_step(sg.ddp(), mlp(), (BATCH, BATCH), world=stratagem_world)
+    with pytest.raises(sg.UsageError, match=r"'skip' names \['no-such-law'\], which are not laws"):
+        check_all(sg.ddp(), world=stratagem_world, skip={"no-such-law": "why"})
