@@ -225,9 +225,11 @@ def with_precision(strategy: Strategy, precision: Precision) -> Strategy:
     ``MixedPrecisionPolicy(param_dtype=<its dtype>, reduce_dtype=torch.float32)``:
     parameters are gathered and used in the low precision (half the traffic
     and memory of the unsharded parameters) and gradients are reduced and
-    kept in float32. Autocast stays in ``step`` as well, so the operations it
-    keeps in float32 (softmax, norms, losses) still run in float32 and the
-    step-autocast law holds on every strategy. ``"16-mixed"`` keeps its
+    kept in float32 (BatchNorm layers are groups of their own that keep
+    float32 parameters, beside their float32 statistics). Autocast stays in
+    ``step`` as well, so the operations it keeps in float32 (softmax, norms,
+    losses) still run in float32 and the step-autocast law holds on every
+    strategy. ``"16-mixed"`` keeps its
     ``GradScaler``, which works on the sharded gradients (every rank skips an
     overflowing step together).
 

@@ -13,6 +13,7 @@ where it is used, never by ``import stratagem``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
@@ -202,7 +203,10 @@ def _has_forward(module: torch.nn.Module) -> bool:
 class WrapFSDP:
     """Wrap field: ``fully_shard`` the submodules ``shard_when`` picks, bottom-up, then the root.
 
-    The module is sharded in place on ``ctx.extras["mesh"]`` and returned;
+    Under a low-precision ``mp_policy``, every BatchNorm is a group of its own
+    with ``param_dtype=float32`` (its statistics are float32, and batch_norm
+    takes no bfloat16 weight beside them). The module is sharded in place on
+    ``ctx.extras["mesh"]`` and returned;
     ``fully_shard`` moves its parameters to the mesh's device. With
     ``sync_module_states`` (the default), rank 0's parameters and buffers are
     first copied to every rank, as ``ddp()`` does, so ranks seeded differently
@@ -238,6 +242,13 @@ class WrapFSDP:
             options["reshard_after_forward"] = self.reshard_after_forward
         if self.mp_policy is not None:
             options["mp_policy"] = self.mp_policy
+        policy = self.mp_policy
+        if policy is not None and policy.param_dtype not in (None, torch.float32):
+            # BatchNorm keeps float32 statistics, which batch_norm does not mix with a
+            # low-precision weight: each one is a group of its own, computed in float32.
+            exact = dataclasses.replace(policy, param_dtype=torch.float32)
+            for norm in [m for m in _bottom_up(module) if isinstance(m, _BATCH_NORMS)]:
+                fully_shard(norm, **{**options, "mp_policy": exact})
         if self.shard_when is not None:
             # Post-order: a policy sees a module after its chosen descendants are sharded.
             for child in [m for m in _bottom_up(module) if _has_forward(m)]:
@@ -279,6 +290,14 @@ def _copy_rank_zeros_states(module: torch.nn.Module, ctx: Context) -> None:
             dist.broadcast(travelling, src=0, group=ctx.group)
             if ctx.rank != 0:
                 tensor.copy_(travelling)
+
+
+_BATCH_NORMS = (
+    torch.nn.BatchNorm1d,
+    torch.nn.BatchNorm2d,
+    torch.nn.BatchNorm3d,
+    torch.nn.SyncBatchNorm,
+)
 
 
 def _decide(policy: ShardPolicy, module: torch.nn.Module) -> bool:
