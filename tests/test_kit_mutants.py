@@ -223,3 +223,19 @@ def test_inputs_that_cannot_test_a_law_are_usage_errors_not_violations(stratagem
         laws.check_data_parallel_step(sg.ddp(), mlp(), (BATCH, BATCH), world=stratagem_world)
     with pytest.raises(sg.UsageError, match=r"'skip' names \['no-such-law'\], which are not laws"):
         check_all(sg.ddp(), world=stratagem_world, skip={"no-such-law": "why"})
+
+
+def test_the_accumulation_law_holds_for_any_window_of_accumulate(stratagem_world):
+    # The law's own micro-batches (2) differ from accumulate's window (4): the reference
+    # must still accumulate over 4, as the ranks do.
+    batch = torch.randn(16, 4, generator=torch.Generator().manual_seed(5))
+    laws.check_accumulation(sg.accumulate(sg.ddp(), 4), mlp(), batch, world=stratagem_world)
+
+
+def test_ranks_in_sync_starts_from_one_module_when_the_contract_says_so(stratagem_world):
+    unbroadcast = by_hand(wrap=no_broadcast_wrap)
+    laws.check_ranks_in_sync(
+        unbroadcast, mlp(), BATCH, world=stratagem_world, contract=Contract(synced_init=True)
+    )
+    with pytest.raises(LawViolation, match="'ranks-in-sync'"):
+        laws.check_ranks_in_sync(unbroadcast, mlp(), BATCH, world=stratagem_world)

@@ -265,7 +265,12 @@ class _Joined:
 
 
 def _rank_loop(rank: int, world_size: int, tasks: Connection, results: Connection) -> None:
-    """Body of a world rank: run tasks until told to stop, rejoining when the setup changes."""
+    """Body of a world rank: run tasks until told to stop, rejoining when the setup's base changes.
+
+    Every setup layer (an attrs callable with an ``inner`` field, as combinators make)
+    runs again for every run: a layer must only add per-run state, never join a group
+    or hold a resource that the base's teardown does not release.
+    """
     joined: tuple[int, StrategyLike, Context] | None = None
 
     def leave() -> None:

@@ -180,7 +180,7 @@ def _rank_run(
     plan: _Plan,
     make_optimizer: OptimizerFactory,
     forward: Forward,
-) -> tuple[int, Snapshots]:
+) -> tuple[int, int | None, Snapshots]:
     start = perturbed(module, 0 if plan.synced_init else ctx.rank)
     model = strategy.wrap(start, ctx)
     optimizer = make_optimizer(model.parameters())
@@ -191,7 +191,8 @@ def _rank_run(
     for _ in range(plan.steps):
         _train(strategy, ctx, model, optimizer, pieces, plan, forward)
         snapshots.append(_packed(snapshot(model, optimizer)))
-    return micro, snapshots
+    window = ctx.extras.get("accumulation")  # what accumulate resolved for this world
+    return micro, window.every if isinstance(window, AccumulationState) else None, snapshots
 
 
 def _packed(state: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -339,7 +340,7 @@ def _average(models: list[torch.nn.Module]) -> None:
 
 
 def _reference_for(
-    strategy: StrategyLike, reference: StrategyLike | None, every: int
+    strategy: StrategyLike, reference: StrategyLike | None, every: int | None
 ) -> StrategyLike:
     return reference if reference is not None else undistributed(strategy, every=every)
 
@@ -405,14 +406,14 @@ def _check(
     size = world.world_size if world is not None else world_size
     _check_inputs(module, batch, size, forward)
     runs = run_on(world, size, _rank_run, strategy, module, batch, plan, optimizer, forward)
-    micro = runs[0][0]
+    micro, every = runs[0][0], runs[0][1]
     if _length(batch) % (size * micro):
         raise UsageError(
             f"laws: each rank's share of {_length(batch) // size} samples does not split into "
             f"{micro} equal micro-batches; give a batch whose length is a multiple of "
             f"{size * micro}."
         )
-    derived = _reference_for(strategy, reference, micro)
+    derived = _reference_for(strategy, reference, every)
     if contract.sync_every > 1:
         expected = _local_reference_run(
             derived, module, batch, size, micro, plan, contract.sync_every, optimizer, forward
@@ -427,7 +428,7 @@ def _check(
         f"micro-batches={micro}, optimizer={getattr(optimizer, '__name__', optimizer)}, "
         f"reference={getattr(derived, 'name', derived)!r}"
     )
-    results = [[_unpacked(state) for state in snaps] for _, snaps in runs]
+    results = [[_unpacked(state) for state in snaps] for _, _, snaps in runs]
     _judge(law, strategy, inputs, results, expected, contract, hint_for_law)
 
 
@@ -470,7 +471,7 @@ def check_data_parallel_step(
         LawViolation: a rank's state differs from the reference's, naming the
             first step, the rank, the key, the differences and a likely cause.
         UsageError: the inputs cannot test the law (a batch the ranks cannot
-            share, a module without parameters, a reference that cannot be derived).
+            share, a module without parameters).
     """
     terms = _contract(contract, tolerance)
     # At least one synchronisation of a strategy that synchronises every k updates.

@@ -28,8 +28,9 @@ def _states(
     batch: torch.Tensor,
     updates: int,
     make_optimizer: OptimizerFactory,
+    synced_init: bool,
 ) -> list[dict[str, torch.Tensor]]:
-    model = strategy.wrap(perturbed(module, ctx.rank), ctx)
+    model = strategy.wrap(perturbed(module, 0 if synced_init else ctx.rank), ctx)
     optimizer = make_optimizer(model.parameters())
     mine = share(batch, ctx.world_size, ctx.rank)
     states = []
@@ -64,7 +65,9 @@ def check_ranks_in_sync(
     terms = contract if contract is not None else Contract()
     size = world.world_size if world is not None else world_size
     updates = 2 * terms.sync_every
-    results = run_on(world, size, _states, strategy, module, batch, updates, optimizer)
+    results = run_on(
+        world, size, _states, strategy, module, batch, updates, optimizer, terms.synced_init
+    )
     rtol, atol = terms.tolerances()
     inputs = f"module={summarize(module)}, batch={summarize(batch)}, updates={updates}"
     buffers = {f"model.{name}" for name, _ in module.named_buffers()}
