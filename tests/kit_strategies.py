@@ -58,6 +58,15 @@ def params_only_wrap(module, ctx):
     return module
 
 
+def last_rank_wrap(module, ctx):
+    """Bug: broadcasts from the last rank, not rank 0 (ranks agree, but on the wrong start)."""
+    module = training.to_device(module, ctx)
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor, src=ctx.world_size - 1, group=ctx.group)
+    return module
+
+
 def no_broadcast_wrap(module, ctx):
     """Bug: every rank keeps its own initialisation."""
     return training.to_device(module, ctx)
@@ -70,13 +79,14 @@ class LocalUpdate:
     every: int
     divide: bool = True  # bug switch: a sum where the mean belongs
     all_ranks: bool = True  # bug switch: only rank 0 takes the average
+    never: bool = False  # bug switch: never averages
 
     def __call__(self, optimizer, module, ctx):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         state = ctx.extras["local_steps"]
         state.taken += 1
-        if state.taken % self.every:
+        if state.taken % self.every or self.never:
             return
         with torch.no_grad():
             for parameter in module.parameters():
@@ -103,6 +113,13 @@ def local_sgd(every=4, **bugs):
 # --- DDP communication hooks ----------------------------------------------------------------
 
 
+def local_hook(state, bucket):
+    """Bug: returns the local bucket, never all-reduced."""
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
 def sum_hook(state, bucket):
     """Bug: all-reduces without dividing by the world size (a sum for a mean)."""
     tensor = bucket.buffer()
@@ -123,6 +140,7 @@ HOOKS = {
     "bf16": default_hooks.bf16_compress_hook,
     "allreduce": default_hooks.allreduce_hook,
     "sum": sum_hook,
+    "local": local_hook,
     "twice": twice_divided_hook,
 }
 
@@ -150,22 +168,34 @@ def hooked(hook):
 
 @attrs.frozen
 class AllreduceUpdate:
-    """Update: average gradients, optionally clip, then step."""
+    """Update: average gradients, optionally clip, then step (each switch plants a bug)."""
 
     clip: float | None = None
-    clip_first: bool = False  # bug switch: clip each rank's local norm before averaging
+    clip_first: bool = False  # clip each rank's local norm before averaging
+    divide: bool = True  # False: a sum where the mean belongs
+    divide_twice: bool = False  # the mean taken twice
+    first_only: bool = False  # only the first parameter's gradient is synchronised
+    step_first: bool = False  # step on local gradients, synchronise afterwards
+    zero: bool = True  # False: gradients never cleared, they pile up across steps
 
     def __call__(self, optimizer, module, ctx):
+        if self.step_first:
+            optimizer.step()
         grads = [p.grad for p in module.parameters() if p.grad is not None]
         if self.clip is not None and self.clip_first:
             torch.nn.utils.clip_grad_norm_(module.parameters(), self.clip)
-        for grad in grads:
+        for grad in grads[:1] if self.first_only else grads:
             dist.all_reduce(grad, group=ctx.group)
-            grad /= ctx.world_size
+            if self.divide:
+                grad /= ctx.world_size
+            if self.divide_twice:
+                grad /= ctx.world_size
         if self.clip is not None and not self.clip_first:
             torch.nn.utils.clip_grad_norm_(module.parameters(), self.clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if not self.step_first:
+            optimizer.step()
+        if self.zero:
+            optimizer.zero_grad(set_to_none=True)
 
 
 def by_hand(wrap=broadcast_wrap, **options):
@@ -226,6 +256,7 @@ class SliceSampler:
     world_size: int
     overlap: bool = False
     everyone_reads_rank_zero: bool = False
+    extra_on_rank_zero: bool = False  # rank 0 takes the remainder too: one more batch
     epoch: list = attrs.field(factory=lambda: [0])
 
     def set_epoch(self, epoch):
@@ -235,11 +266,13 @@ class SliceSampler:
         order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.epoch[0]))
         share = self.size // self.world_size
         rank = 0 if self.everyone_reads_rank_zero else self.rank
-        stop = (rank + 1) * share + (1 if self.overlap else 0)
-        return iter(order[rank * share : stop].tolist())
+        start, stop = rank * share, (rank + 1) * share + (1 if self.overlap else 0)
+        if self.extra_on_rank_zero:  # the boundary between ranks 0 and 1 moves by 2
+            start, stop = start + (2 if rank == 1 else 0), stop + (2 if rank == 0 else 0)
+        return iter(order[start:stop].tolist())
 
     def __len__(self):
-        return self.size // self.world_size + (1 if self.overlap else 0)
+        return len(list(iter(self)))
 
 
 @attrs.frozen
@@ -250,6 +283,7 @@ class CustomShard:
     advance: bool = True
     overlap: bool = False
     everyone_reads_rank_zero: bool = False
+    extra_on_rank_zero: bool = False
 
     def __call__(self, loader, ctx):
         from torch.utils.data import DataLoader, DistributedSampler
@@ -262,7 +296,7 @@ class CustomShard:
         else:
             sampler = SliceSampler(
                 len(loader.dataset), ctx.rank, ctx.world_size, self.overlap,
-                self.everyone_reads_rank_zero,
+                self.everyone_reads_rank_zero, self.extra_on_rank_zero,
             )  # fmt: skip
         rebuilt = DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler)
         return EpochLoader(rebuilt, sampler, self.advance)
@@ -281,6 +315,8 @@ class TorchSave:
     """Save: rank 0 writes {model, optimizer, values} with torch.save (bugs: drop buffers)."""
 
     buffers: bool = True
+    values: bool = True  # False: plain values are not saved
+    own_ranks: bool = True  # False: every rank's per-rank values are rank 0's
 
     def __call__(self, path, state, ctx):
         blob = {"values": {}, "per_rank": {}}
@@ -293,11 +329,11 @@ class TorchSave:
                 blob[name] = value.state_dict()
             elif isinstance(value, sg.checkpoint.PerRank):
                 blob["per_rank"][name] = value.value
-            else:
+            elif self.values:
                 blob["values"][name] = value
         gathered = [None] * ctx.world_size
         dist.all_gather_object(gathered, blob["per_rank"], group=ctx.group)
-        blob["per_rank"] = gathered
+        blob["per_rank"] = gathered if self.own_ranks else [gathered[0]] * ctx.world_size
         if ctx.rank == 0:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             torch.save(blob, path)
@@ -321,7 +357,7 @@ class TorchLoad:
 
 
 def torch_checkpoints(**bugs):
-    save_bugs = {k: v for k, v in bugs.items() if k == "buffers"}
+    save_bugs = {k: v for k, v in bugs.items() if k in ("buffers", "values", "own_ranks")}
     load_bugs = {k: v for k, v in bugs.items() if k == "strict"}
     return attrs.evolve(
         sg.ddp(),

@@ -19,6 +19,7 @@ from kit_strategies import (
     by_hand,
     custom_shard,
     hooked,
+    last_rank_wrap,
     local_sgd,
     no_broadcast_wrap,
     params_only_wrap,
@@ -82,6 +83,24 @@ MUTANTS = {
     "accumulation whose loss is not divided by k": (
         attrs.evolve(sg.ddp(), name="undivided", backward=unnormalised_backward), mlp, Contract(),
         "data-parallel-step", "a sum where a mean belongs"),
+    "all-reduce by hand that sums": (
+        by_hand(divide=False), mlp, Contract(), "data-parallel-step", "a sum where a mean belongs"),
+    "all-reduce by hand that divides twice": (
+        by_hand(divide_twice=True), mlp, Contract(), "data-parallel-step",
+        "divided by the world size twice"),
+    "only the first parameter synchronised": (
+        by_hand(first_only=True), mlp, Contract(), "data-parallel-step",
+        "the ranks hold different values"),
+    "step before synchronising": (
+        by_hand(step_first=True), mlp, Contract(), "data-parallel-step", "after update 1"),
+    "gradients never cleared": (
+        by_hand(zero=False), mlp, Contract(), "data-parallel-step", "after update 2"),
+    "broadcast from the last rank": (
+        by_hand(wrap=last_rank_wrap), mlp, Contract(), "data-parallel-step", "after wrap, rank 0"),
+    "comm hook that never all-reduces": (
+        hooked("local"), mlp, Contract(), "data-parallel-step", "the ranks hold different values"),
+    "local SGD that never averages": (
+        local_sgd(4, never=True), mlp, LOCAL, "data-parallel-step", "after update 4"),
 }  # fmt: skip
 # Mutants of a custom update that clips: the honest version's reference (the kit cannot know).
 REFERENCES = {"clipping on the local norm before averaging": CLIPPED}
@@ -142,6 +161,8 @@ SHARD_MUTANTS = {
         custom_shard(sampler="slices", everyone_reads_rank_zero=True),
         "read exactly rank 0's samples"),
     "set_epoch never called": (custom_shard(advance=False), "never advances"),
+    "rank 0 gets more batches": (
+        custom_shard(sampler="slices", extra_on_rank_zero=True), "different numbers of batches"),
 }  # fmt: skip
 
 
@@ -239,3 +260,18 @@ def test_ranks_in_sync_starts_from_one_module_when_the_contract_says_so(stratage
     )
     with pytest.raises(LawViolation, match="'ranks-in-sync'"):
         laws.check_ranks_in_sync(unbroadcast, mlp(), BATCH, world=stratagem_world)
+
+
+def test_a_save_that_drops_plain_values_is_caught(stratagem_world, tmp_path):
+    with pytest.raises(LawViolation, match=r"(?s)'checkpoint-round-trip'.*plain values \{\}"):
+        laws.check_checkpoint_round_trip(
+            torch_checkpoints(values=False), mlp(), BATCH, world=stratagem_world,
+            directory=tmp_path,
+        )  # fmt: skip
+
+
+def test_per_rank_values_saved_as_rank_zeros_are_caught(stratagem_world, tmp_path):
+    with pytest.raises(LawViolation, match=r"(?s)'checkpoint-strict'.*rank 1: the per-rank value"):
+        laws.check_checkpoint_strict(
+            torch_checkpoints(own_ranks=False), mlp(), world=stratagem_world, directory=tmp_path
+        )
