@@ -365,3 +365,83 @@ def torch_checkpoints(**bugs):
         save=TorchSave(**save_bugs),
         load=TorchLoad(**load_bugs),
     )
+
+
+# --- ZeRO-1 by hand: each rank keeps the optimizer state of the parameters it owns -----------
+
+
+@attrs.frozen
+class Zero1Update:
+    """Update: average gradients, step only owned parameters, then owners broadcast them."""
+
+    broadcast: bool = True  # bug switch: owners never send their updated parameters
+    owner_shift: int = 0  # bug switch: broadcast from the wrong rank
+
+    def __call__(self, optimizer, module, ctx):
+        parameters = list(module.parameters())
+        for parameter in parameters:
+            if parameter.grad is not None:
+                dist.all_reduce(parameter.grad, group=ctx.group)
+                parameter.grad /= ctx.world_size
+        for index, parameter in enumerate(parameters):
+            if index % ctx.world_size != ctx.rank:
+                parameter.grad = None  # not ours: SGD skips it, and keeps no state for it
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if self.broadcast:
+            with torch.no_grad():
+                for index, parameter in enumerate(parameters):
+                    owner = (index + self.owner_shift) % ctx.world_size
+                    dist.broadcast(parameter, src=owner, group=ctx.group)
+
+
+@attrs.frozen
+class ShardedOptimizerSave:
+    """Save/load: each rank's optimizer state is its own (sg.per_rank), the module replicated."""
+
+    load: bool = False
+
+    def __call__(self, path, state, ctx):
+        # The optimizer's parameter names come from the module, so save it by position.
+        marked = {
+            k: sg.per_rank(v) if isinstance(v, torch.optim.Optimizer) else v
+            for k, v in state.items()
+        }
+        if self.load:
+            return sg.checkpoint.load(path, marked, ctx)
+        return sg.checkpoint.save(path, marked, ctx)
+
+
+def zero1(**bugs):
+    return attrs.evolve(
+        sg.ddp(),
+        name="zero1" + "".join(f"-{k}" for k in bugs),
+        wrap=broadcast_wrap,
+        update=Zero1Update(**bugs),
+        no_sync=training.no_sync,
+        save=ShardedOptimizerSave(),
+        load=ShardedOptimizerSave(load=True),
+    )
+
+
+def zero_redundancy_sgd(parameters):
+    """torch's ZeroRedundancyOptimizer over SGD with momentum: the optimizer shards itself.
+
+    In the law's one-process reference (no process group) the same arithmetic is plain SGD.
+    """
+    import warnings
+
+    if not dist.is_initialized():
+        return torch.optim.SGD(parameters, lr=0.1, momentum=0.9)
+
+    with warnings.catch_warnings():  # torch's own import uses the deprecated torch.jit.script
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(
+        list(parameters), optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9
+    )
+
+
+SHARDED = Contract(optimizer_state="sharded", buffers="per-rank")
+CORRECT["zero1"] = (zero1(), SHARDED, None)

@@ -16,6 +16,7 @@ import stratagem as sg
 from kit_strategies import (
     CLIPPED,
     CORRECT,
+    SHARDED,
     by_hand,
     custom_shard,
     hooked,
@@ -25,6 +26,8 @@ from kit_strategies import (
     params_only_wrap,
     torch_checkpoints,
     unnormalised_backward,
+    zero1,
+    zero_redundancy_sgd,
 )
 from stratagem.testing import Contract, LawViolation, check_all, laws
 from stratagem.testing.modules import batchnorm_mlp, mlp
@@ -101,6 +104,10 @@ MUTANTS = {
         hooked("local"), mlp, Contract(), "data-parallel-step", "the ranks hold different values"),
     "local SGD that never averages": (
         local_sgd(4, never=True), mlp, LOCAL, "data-parallel-step", "after update 4"),
+    "ZeRO-1 owners that never broadcast": (
+        zero1(broadcast=False), mlp, SHARDED, "data-parallel-step", "after update 1"),
+    "ZeRO-1 broadcast from the wrong owner": (
+        zero1(owner_shift=1), mlp, SHARDED, "data-parallel-step", "after update 1"),
 }  # fmt: skip
 # Mutants of a custom update that clips: the honest version's reference (the kit cannot know).
 REFERENCES = {"clipping on the local norm before averaging": CLIPPED}
@@ -274,4 +281,15 @@ def test_per_rank_values_saved_as_rank_zeros_are_caught(stratagem_world, tmp_pat
     with pytest.raises(LawViolation, match=r"(?s)'checkpoint-strict'.*rank 1: the per-rank value"):
         laws.check_checkpoint_strict(
             torch_checkpoints(own_ranks=False), mlp(), world=stratagem_world, directory=tmp_path
+        )
+
+
+def test_torch_zero_redundancy_optimizer_passes_with_a_sharded_contract(stratagem_world):
+    laws.check_data_parallel_step(
+        sg.ddp(), mlp(), BATCH, world=stratagem_world, optimizer=zero_redundancy_sgd,
+        contract=SHARDED,
+    )  # fmt: skip
+    with pytest.raises(LawViolation, match=r"optimizer\.\S+ is missing"):  # without the contract
+        laws.check_data_parallel_step(
+            sg.ddp(), mlp(), BATCH, world=stratagem_world, optimizer=zero_redundancy_sgd
         )

@@ -204,7 +204,7 @@ def check_all(
         for model in trained.values():
             run("checkpoint-round-trip", laws.check_checkpoint_round_trip, strategy, model, data,
                 world=running, portable_to=portable_to, directory=directory,
-                updates=terms.sync_every)  # fmt: skip
+                updates=terms.sync_every, contract=terms)  # fmt: skip
         run("checkpoint-strict", laws.check_checkpoint_strict, strategy, first, world=running,
             directory=directory)  # fmt: skip
         run("shard-partition", laws.check_shard_partition, strategy, world=running)

@@ -9,10 +9,12 @@ import attrs
 
 from stratagem.errors import UsageError, describe
 
-__all__ = ["Buffers", "Contract"]
+__all__ = ["Buffers", "Contract", "OptimizerState"]
 
 Buffers = Literal["broadcast", "per-rank"]
 _BUFFERS: tuple[str, ...] = get_args(Buffers)
+OptimizerState = Literal["replicated", "sharded"]
+_OPTIMIZER_STATES: tuple[str, ...] = get_args(OptimizerState)
 
 
 def _sync_every(instance: object, attribute: attrs.Attribute[int], value: object) -> None:
@@ -28,6 +30,14 @@ def _buffers(instance: object, attribute: attrs.Attribute[Buffers | None], value
         raise UsageError(
             f"Contract: 'buffers' must be None (read off the strategy), 'broadcast' or "
             f"'per-rank' (got {describe(value)})."
+        )
+
+
+def _optimizer_state(instance: object, attribute: attrs.Attribute[str], value: object) -> None:
+    if value not in _OPTIMIZER_STATES:
+        raise UsageError(
+            f"Contract: 'optimizer_state' must be 'replicated' or 'sharded' (got "
+            f"{describe(value)})."
         )
 
 
@@ -59,6 +69,11 @@ class Contract:
             ``broadcast_buffers``); ``"per-rank"``, each rank keeps its own after
             wrap. ``None`` reads it off the strategy (``"broadcast"`` under a
             ``ddp()`` wrap that broadcasts buffers, else ``"per-rank"``).
+        optimizer_state: ``"replicated"``, every rank holds the whole optimizer
+            state; ``"sharded"`` (ZeRO-1), each rank holds the state of some
+            parameters: each rank's slots must equal the reference's, and
+            together the ranks must hold every slot. Checkpoints then keep each
+            rank's optimizer state as its own.
         synced_init: the caller gives every rank the same module, so ``wrap``
             need not broadcast; the laws then start every rank from the same
             weights (by default rank ``r > 0`` starts from other weights, and
@@ -76,6 +91,7 @@ class Contract:
 
     sync_every: int = attrs.field(default=1, validator=_sync_every)
     buffers: Buffers | None = attrs.field(default=None, validator=_buffers)
+    optimizer_state: OptimizerState = attrs.field(default="replicated", validator=_optimizer_state)
     synced_init: bool = attrs.field(default=False, validator=_flag)
     rtol: float = attrs.field(default=1e-4, validator=_tolerance)
     atol: float = attrs.field(default=1e-5, validator=_tolerance)

@@ -357,10 +357,19 @@ def _judge(
     rtol, atol = contract.tolerances()
     world_size = len(results)
     steps = len(expected[0])
+    sharded = contract.optimizer_state == "sharded"
     for step in range(steps):
+        if sharded:
+            _check_coverage(law, strategy, inputs, results, expected, step)
         for rank in range(world_size):
+            keys = None
+            if sharded:  # this rank's slots, and the module's state whole
+                keys = tuple(
+                    k for k in expected[rank][step]
+                    if not k.startswith("optimizer.") or k in results[rank][step]
+                )  # fmt: skip
             difference = first_difference(
-                results[rank][step], expected[rank][step], rtol=rtol, atol=atol
+                results[rank][step], expected[rank][step], rtol=rtol, atol=atol, keys=keys
             )
             if difference is None:
                 continue
@@ -386,6 +395,28 @@ def _judge(
             )
             error.step, error.rank, error.key = step, rank, difference.key  # type: ignore[attr-defined]
             raise error
+
+
+def _check_coverage(
+    law: str,
+    strategy: StrategyLike,
+    inputs: str,
+    results: list[Snapshots],
+    expected: list[Snapshots],
+    step: int,
+) -> None:
+    """Under sharded optimizer state: together, the ranks hold every slot the reference has."""
+    held = {k for states in results for k in states[step] if k.startswith("optimizer.")}
+    lost = [k for k in expected[0][step] if k.startswith("optimizer.") and k not in held]
+    if lost:
+        when = "after wrap" if step == 0 else f"after update {step}"
+        raise LawViolation(
+            law,
+            strategy,
+            inputs,
+            f"{when}: no rank holds the optimizer state {lost[:3]} (sharded optimizer state "
+            "must cover every parameter: a parameter with no owner gives this)",
+        )
 
 
 def _check(

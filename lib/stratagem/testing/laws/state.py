@@ -38,7 +38,9 @@ def snapshot(module: torch.nn.Module, optimizer: Any | None = None) -> dict[str,
     state = {f"model.{k}": _whole(v) for k, v in plain.state_dict(keep_vars=True).items()}
     if optimizer is not None:
         names = {id(p): n for n, p in plain.named_parameters(remove_duplicate=False)}
-        slots = root_optimizer(optimizer).state
+        root = root_optimizer(optimizer)
+        local = getattr(root, "optim", None)  # ZeroRedundancyOptimizer: this rank's own part
+        slots = (local if isinstance(local, torch.optim.Optimizer) else root).state
         for parameter, values in slots.items():
             name = names.get(id(parameter), f"<unnamed {tuple(parameter.shape)}>")
             for slot, value in values.items():

@@ -74,10 +74,12 @@ def check_ranks_in_sync(
     for index in range(terms.sync_every - 1, updates, terms.sync_every):
         reference = results[0][index]
         # Local SGD (sync_every > 1) averages parameters; each rank's optimizer state is its own.
+        # Sharded optimizer state (ZeRO-1) is each rank's own too.
+        own_optimizer = terms.sync_every > 1 or terms.optimizer_state == "sharded"
         keys = tuple(
             k
             for k in reference
-            if k not in buffers and (terms.sync_every == 1 or k.startswith("model."))
+            if k not in buffers and (not own_optimizer or k.startswith("model."))
         )
         for rank in range(1, size):
             difference = first_difference(
