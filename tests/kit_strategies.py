@@ -177,6 +177,7 @@ class AllreduceUpdate:
     first_only: bool = False  # only the first parameter's gradient is synchronised
     step_first: bool = False  # step on local gradients, synchronise afterwards
     zero: bool = True  # False: gradients never cleared, they pile up across steps
+    in_place: bool = True  # False: all-reduces a copy, so the gradient keeps its local value
 
     def __call__(self, optimizer, module, ctx):
         if self.step_first:
@@ -185,6 +186,8 @@ class AllreduceUpdate:
         if self.clip is not None and self.clip_first:
             torch.nn.utils.clip_grad_norm_(module.parameters(), self.clip)
         for grad in grads[:1] if self.first_only else grads:
+            if not self.in_place:
+                grad = grad.clone()  # the bug: the sum goes nowhere
             dist.all_reduce(grad, group=ctx.group)
             if self.divide:
                 grad /= ctx.world_size

@@ -104,6 +104,11 @@ MUTANTS = {
         hooked("local"), mlp, Contract(), "data-parallel-step", "the ranks hold different values"),
     "local SGD that never averages": (
         local_sgd(4, never=True), mlp, LOCAL, "data-parallel-step", "after update 4"),
+    "local SGD that averages after every update": (
+        local_sgd(1), mlp, LOCAL, "data-parallel-step", "after update 1"),
+    "all-reduce of a copy of the gradient": (
+        by_hand(in_place=False), mlp, Contract(), "data-parallel-step",
+        "the ranks hold different values"),
     "ZeRO-1 owners that never broadcast": (
         zero1(broadcast=False), mlp, SHARDED, "data-parallel-step", "after update 1"),
     "ZeRO-1 broadcast from the wrong owner": (
