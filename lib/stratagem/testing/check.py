@@ -136,7 +136,8 @@ def check_all(
         portable_to: a single-process strategy that must load the checkpoints.
         directory: where the checkpoint law writes (a temporary directory when omitted).
         tolerance: an absolute tolerance for the training laws (first edition's
-            argument; ``contract=Contract(atol=...)`` says the same).
+            argument; ``contract=Contract(atol=...)`` says the same; ``rtol`` stays
+            the contract's, as several steps of optimizer state need one).
 
     Returns:
         A `Report` of the laws that passed and those skipped, with their reasons.

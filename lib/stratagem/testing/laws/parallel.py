@@ -496,7 +496,8 @@ def check_data_parallel_step(
         contract: what ``strategy`` promises (`Contract`); default ``Contract()``.
         forward: a module-level function ``(module, batch) -> loss``, a mean over samples.
         tolerance: an absolute tolerance, for callers of the first edition
-            (the same as ``contract=Contract(atol=tolerance)``).
+            (the same as ``contract=Contract(atol=tolerance)``; for exact
+            comparison, ``Contract(exact=True)``).
 
     Raises:
         LawViolation: a rank's state differs from the reference's, naming the

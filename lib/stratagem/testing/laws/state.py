@@ -143,7 +143,10 @@ def hint(
     if bool(usable.any()) and world_size > 1:
         ratio = float((moved_ours[usable] / moved_theirs[usable]).median())
         if abs(ratio - world_size) < 0.1 * world_size:
-            return f"updates are {ratio:.3g}x the reference's: a sum where a mean belongs?"
+            return (
+                f"updates are {ratio:.3g}x the reference's: a sum where a mean belongs (or a "
+                "loss or gradient scaled by the world size)?"
+            )
         if abs(ratio - 1 / world_size) < 0.1 / world_size:
             return f"updates are {ratio:.3g}x the reference's: divided by the world size twice?"
         if abs(ratio) < 1e-6:
