@@ -448,3 +448,5 @@ def zero_redundancy_sgd(parameters):
 
 SHARDED = Contract(optimizer_state="sharded", buffers="per-rank")
 CORRECT["zero1"] = (zero1(), SHARDED, None)
+CORRECT["custom-shard"] = (custom_shard(), Contract(), None)
+CORRECT["torch-save-checkpoints"] = (torch_checkpoints(), Contract(), None)
