@@ -161,7 +161,7 @@ def save(
             for e in entries
             if e.name not in per_rank
         }
-        report = differing_replicas(compared, set(compared), set(), ctx)
+        report = differing_replicas(compared, ctx)
         if report is not None:
             raise refuse_differing(report)
     from stratagem.checkpoint import engine  # imports DCP (a second): only once it is needed

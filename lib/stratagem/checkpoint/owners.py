@@ -102,21 +102,12 @@ def _fingerprints(tree: Any, prefix: str, out: dict[str, str]) -> None:
         out[prefix] = _fingerprint(tree)
 
 
-def _entry_key(path: str, blobs: set[str]) -> str:
-    # An object's or value's bytes stand for the whole entry: report it by its name.
-    name = path[1:].split("/", 1)[0]
-    return name if name in blobs else path[1:]
-
-
-def differing_replicas(
-    saved: dict[str, Any], replicated: set[str], blobs: set[str], ctx: Context
-) -> str | None:
+def differing_replicas(replicated: dict[str, Any], ctx: Context) -> str | None:
     """Compare the replicated entries of every rank; describe those that differ, by key.
 
     Args:
-        saved: this rank's state dict, as `save` writes it.
-        replicated: the names of the replicated entries.
-        blobs: the names of entries reported by name only, not key by key.
+        replicated: this rank's replicated entries by name, as values (module and
+            optimizer state dicts, objects' states, plain values).
         ctx: the joined world; every rank must call it (it gathers the
             fingerprints: every replicated tensor is hashed on every rank).
 
@@ -125,7 +116,7 @@ def differing_replicas(
     """
     mine: dict[str, str] = {}
     for name in sorted(replicated):
-        _fingerprints(saved[name], f"/{name}", mine)
+        _fingerprints(replicated[name], f"/{name}", mine)
     if ctx.group is None or ctx.world_size == 1:
         return None
     import torch.distributed as dist
@@ -137,7 +128,7 @@ def differing_replicas(
     for rank, theirs in enumerate(everyone[1:], start=1):
         for path in sorted(reference.keys() | theirs.keys()):
             if reference.get(path) != theirs.get(path):
-                ranks = ranks_by_key.setdefault(_entry_key(path, blobs), [])
+                ranks = ranks_by_key.setdefault(path[1:], [])
                 if rank not in ranks:
                     ranks.append(rank)
     if not ranks_by_key:
