@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -11,6 +12,7 @@ import attrs
 import torch
 
 from stratagem.combinators._base import applied
+from stratagem.combinators.accumulation import AccumulationSetup, _resolved
 from stratagem.combinators.precision import PrecisionSetup
 from stratagem.errors import UsageError, describe
 from stratagem.fields import REDUCE_OPS, ReduceOp
@@ -43,6 +45,13 @@ LAWS: tuple[str, ...] = (
     "shard-partition",
 )
 """The laws `check_all` runs, by the names ``skip`` takes and violations carry."""
+
+
+def _default_batch(strategy: StrategyLike, world_size: int) -> torch.Tensor:
+    """Four rows a rank, or more so that an accumulation window of k micro-batches divides them."""
+    window = applied(strategy, AccumulationSetup)
+    rows = 4 if window is None else math.lcm(4, _resolved(window.every, world_size))
+    return torch.randn(rows * world_size, 4, generator=torch.Generator().manual_seed(1))
 
 
 def default_module() -> torch.nn.Module:
@@ -126,7 +135,8 @@ def check_all(
         world: a running `World` to reuse (fast across many calls).
         module: one module to train instead of the defaults.
         modules: modules to train by name instead of the defaults (`default_modules`).
-        batch: the input batch, length a multiple of the world size (default: 4 rows a rank).
+        batch: the input batch, length a multiple of the world size (default: 4 rows a rank,
+            or the least multiple of 4 that ``accumulate``'s k micro-batches divide).
         optimizers: module-level factories ``parameters -> optimizer``, each used in turn.
         reference: the one-process strategy the training laws compare with
             (derived from ``strategy`` when it is built from stratagem's parts).
@@ -164,11 +174,7 @@ def check_all(
 
     with _world(world, world_size) as running:
         size = running.world_size
-        data = (
-            batch
-            if batch is not None
-            else torch.randn(4 * size, 4, generator=torch.Generator().manual_seed(1))
-        )
+        data = batch if batch is not None else _default_batch(strategy, size)
         values = [torch.tensor([1.5 * r - 2.0, 4.0 + r, -float(r)]) for r in range(size)]
         if size == 1:
             run("single-rank-identities", laws.check_single_rank_identities, strategy, values[0],

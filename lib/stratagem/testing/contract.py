@@ -68,7 +68,10 @@ class Contract:
             forward of each optimizer step (``DistributedDataParallel``'s
             ``broadcast_buffers``); ``"per-rank"``, each rank keeps its own after
             wrap. ``None`` reads it off the strategy (``"broadcast"`` under a
-            ``ddp()`` wrap that broadcasts buffers, else ``"per-rank"``).
+            ``ddp()`` wrap that broadcasts buffers, else ``"per-rank"``). A
+            checkpoint saves replicated state once, from rank 0, so after a load
+            every rank holds rank 0's buffers either way; the round-trip law
+            checks exactly that.
         optimizer_state: ``"replicated"``, every rank holds the whole optimizer
             state; ``"sharded"`` (ZeRO-1), each rank holds the state of some
             parameters: each rank's slots must equal the reference's, and

@@ -9,7 +9,8 @@ stack without its distribution (`stratagem.testing.reference.undistributed`,
 or the caller's ``reference=``) in this process, fed the whole batch; its
 forward runs each rank's share separately, so batch statistics are per
 share, as on the ranks, and each share has its own copy of the buffers,
-broadcast from the first share before every step or kept apart, as the
+broadcast from the first share before each forward that follows a
+synchronising one (as DistributedDataParallel does) or kept apart, as the
 strategy does (`Contract.buffers`). After wrap and after every step the whole
 state of every rank (parameters, buffers, optimizer state, by key) must equal
 the reference's within the contract's tolerances.
@@ -216,11 +217,21 @@ class _Shares:
     forward: Forward
     world_size: int
     buffers: list[dict[str, torch.Tensor]]
+    # DistributedDataParallel broadcasts rank 0's buffers before a forward that follows a
+    # synchronising one (and before the first): one whose micro-batch is the last of the
+    # law's step (``law_window``) and of accumulate's window (``window``).
+    broadcasting: bool = False
+    law_window: int = 1
+    window: int = 1
+    forwards: int = 0
 
-    def broadcast(self) -> None:
-        self.buffers = [{k: v.clone() for k, v in self.buffers[0].items()}] * self.world_size
+    def _synchronised(self, forward: int) -> bool:
+        return (forward + 1) % self.law_window == 0 and (forward + 1) % self.window == 0
 
     def __call__(self, module: torch.nn.Module, batch: Any) -> torch.Tensor:
+        if self.broadcasting and (self.forwards == 0 or self._synchronised(self.forwards - 1)):
+            self.buffers = [{k: v.clone() for k, v in self.buffers[0].items()}] * self.world_size
+        self.forwards += 1
         plain = unwrap(module)
         losses = []
         for rank in range(self.world_size):
@@ -264,6 +275,7 @@ def _reference_run(
     batch: Any,
     world_size: int,
     micro: int,
+    every: int | None,
     plan: _Plan,
     rule: str,
     make_optimizer: OptimizerFactory,
@@ -277,15 +289,18 @@ def _reference_run(
         optimizer = make_optimizer(model.parameters())
         named = dict(unwrap(model).named_buffers())
         shares_ = _Shares(
-            forward, world_size, [{k: b.detach().clone() for k, b in named.items()}] * world_size
+            forward,
+            world_size,
+            [{k: b.detach().clone() for k, b in named.items()}] * world_size,
+            broadcasting=rule == "broadcast",
+            law_window=micro if plan.manual else 1,
+            window=every or 1,
         )
         per_rank = [share(batch, world_size, r) for r in range(world_size)]
         pieces = [_joined([share(p, micro, i) for p in per_rank]) for i in range(micro)]
         expected: list[Snapshots] = [[] for _ in range(world_size)]
         for step in range(plan.steps + 1):
             if step:
-                if rule == "broadcast":
-                    shares_.broadcast()
                 _train(reference, ctx, model, optimizer, pieces, plan, shares_)
             for rank in range(world_size):
                 expected[rank].append(_per_rank_view(model, optimizer, shares_.buffers[rank]))
@@ -452,7 +467,7 @@ def _check(
     else:
         rule = buffers_rule(strategy, contract)
         expected = _reference_run(
-            derived, module, batch, size, micro, plan, rule, optimizer, forward
+            derived, module, batch, size, micro, every, plan, rule, optimizer, forward
         )
     inputs = (
         f"module={summarize(module)}, batch={summarize(batch)}, steps={plan.steps}, "
