@@ -289,8 +289,10 @@ class CustomShard:
     extra_on_rank_zero: bool = False
 
     def __call__(self, loader, ctx):
-        from torch.utils.data import DataLoader, DistributedSampler
+        from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
+        if isinstance(loader.dataset, IterableDataset):  # map-style only, and says so
+            raise sg.UsageError("custom shard: split streams inside the dataset")
         if self.sampler == "distributed":
             sampler = DistributedSampler(
                 loader.dataset, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
@@ -308,6 +310,49 @@ class CustomShard:
 def custom_shard(**options):
     name = "custom-shard" + "".join(f"-{k}" for k in options)
     return attrs.evolve(sg.ddp(), name=name, shard=CustomShard(**options))
+
+
+@attrs.define
+class StridedStream:
+    """Every world_size-th batch of a stream; bugs switch off the epoch or the dropped round."""
+
+    loader: object
+    rank: int
+    world_size: int
+    advance: bool
+    drop_round: bool
+    epoch: int = 0
+
+    def __iter__(self):
+        if self.advance:
+            self.loader.dataset.set_epoch(self.epoch)
+        self.epoch += 1
+        batches = list(self.loader)
+        whole = len(batches) - len(batches) % self.world_size if self.drop_round else None
+        return iter(batches[:whole][self.rank :: self.world_size])
+
+
+@attrs.frozen
+class StreamShard:
+    """Shard: ddp's for map-style datasets, a hand-written stride for streams (bugs: below)."""
+
+    passthrough: bool = False  # every rank reads the whole stream
+    advance: bool = True
+    drop_round: bool = True
+
+    def __call__(self, loader, ctx):
+        from torch.utils.data import IterableDataset
+
+        if not isinstance(loader.dataset, IterableDataset):
+            return sg.ddp().shard(loader, ctx)
+        if self.passthrough:
+            return loader
+        return StridedStream(loader, ctx.rank, ctx.world_size, self.advance, self.drop_round)
+
+
+def stream_shard(**options):
+    name = "stream-shard" + "".join(f"-{k}" for k in options)
+    return attrs.evolve(sg.ddp(), name=name, shard=StreamShard(**options))
 
 
 # --- custom save and load: one torch.save file, written by rank 0 ----------------------------

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import stratagem as sg
 from stratagem.sharding import shard_loader
@@ -159,16 +159,10 @@ def test_a_distributed_sampler_is_left_alone():
     assert sampler.epoch == 1  # advanced by the wrapper at each pass
 
 
-class Stream(IterableDataset):
-    def __iter__(self):
-        return iter(range(4))
-
-
 @pytest.mark.parametrize(
     ("loader", "message"),
     [
         ([1, 2, 3], "must be a torch DataLoader"),
-        (DataLoader(Stream()), "IterableDataset"),
         (
             DataLoader(TensorDataset(torch.arange(4)), batch_sampler=[[0, 1], [2, 3]]),
             "batch_sampler",

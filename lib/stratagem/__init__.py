@@ -44,6 +44,7 @@ if _typing.TYPE_CHECKING:
     from stratagem.script import joined as joined
     from stratagem.sharding import ShardedLoader as ShardedLoader
     from stratagem.sharding import ShardSampler as ShardSampler
+    from stratagem.sharding import StreamStride as StreamStride
     from stratagem.spawn import Spawn as Spawn
     from stratagem.strategies.allreduce import allreduce_grads as allreduce_grads
     from stratagem.strategies.allreduce import allreduce_grads_spawn as allreduce_grads_spawn
@@ -98,6 +99,7 @@ _WHERE: dict[str, str] = {
     "launch": "stratagem.launchers",
     "ShardedLoader": "stratagem.sharding",
     "ShardSampler": "stratagem.sharding",
+    "StreamStride": "stratagem.sharding",
     "Spawn": "stratagem.spawn",
     "allreduce_grads": "stratagem.strategies.allreduce",
     "allreduce_grads_spawn": "stratagem.strategies.allreduce",
@@ -137,6 +139,7 @@ __all__ = [
     "Strategy",
     "StrategyFieldError",
     "StrategyLike",
+    "StreamStride",
     "TraceEvent",
     "UsageError",
     "above_parameters",

@@ -1,6 +1,7 @@
 """Give each rank its part of a DataLoader: every sample to exactly one rank per epoch.
 
-`shard_loader` rebuilds the user's DataLoader around a `ShardSampler` and
+`shard_loader` rebuilds the user's DataLoader around a `ShardSampler` (or, for
+an ``IterableDataset``, strides over its batches with a `StreamStride`) and
 returns a `ShardedLoader` that advances the epoch at each pass, so shuffled
 epochs differ without a ``set_epoch`` call in the user's loop. The loader's
 position (epoch, samples consumed) is checkpointable state, so a resumed run
@@ -20,7 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
 
-__all__ = ["ShardSampler", "ShardedLoader", "check_not_empty", "shard_loader"]
+__all__ = ["ShardSampler", "ShardedLoader", "StreamStride", "check_not_empty", "shard_loader"]
 
 T = TypeVar("T")
 
@@ -161,6 +162,71 @@ class ShardSampler:
         return len(range(self.rank, self._kept(), self.world_size))
 
 
+def _stream_below_world(rank: object, world: object) -> None:
+    if isinstance(rank, int) and isinstance(world, int) and 0 < world <= rank:
+        raise UsageError(
+            f"StreamStride.rank must be below world_size (got rank={rank}, world_size={world})."
+        )
+
+
+def _stream_world(instance: Any, attribute: attrs.Attribute[int], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"StreamStride.world_size must be a positive int (got {describe(value)}).")
+    _stream_below_world(getattr(instance, "rank", None), value)
+
+
+def _stream_rank(instance: Any, attribute: attrs.Attribute[int], value: object) -> None:
+    _count(instance, attribute, value)
+    _stream_below_world(value, getattr(instance, "world_size", None))
+
+
+@attrs.define
+class StreamStride:
+    """One rank's batches of a DataLoader over an ``IterableDataset``: every world_size-th.
+
+    A stream has no indices to deal, so every rank iterates the whole loader
+    and keeps the global batches ``rank, rank + world_size, ...`` of it. A
+    rank yields its batch only once the round of ``world_size`` batches is
+    complete, so an epoch's incomplete last round (at most ``world_size - 1``
+    batches) goes to no rank and every rank yields the same number of batches.
+    Reading the whole stream on every rank costs ``world_size`` times the
+    loading; for a large stream, split it inside the dataset by rank instead.
+
+    ``set_epoch`` is forwarded to the dataset where it has one, so a dataset
+    that shuffles by epoch reshuffles at every pass.
+
+    Fields are validated at construction and on assignment.
+
+    Raises:
+        UsageError: a field has the wrong type or range.
+    """
+
+    dataset: Any
+    rank: int = attrs.field(converter=_index, validator=_stream_rank)
+    world_size: int = attrs.field(converter=_index, validator=_stream_world)
+    epoch: int = attrs.field(converter=_index, default=0, validator=_count)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Record the epoch of the next pass and tell the dataset, if it listens."""
+        self.epoch = epoch
+        forward = getattr(self.dataset, "set_epoch", None)
+        if callable(forward):
+            forward(epoch)
+
+    def select(self, batches: Iterable[T], skip: int = 0) -> Iterator[T]:
+        """Yield this rank's batches of ``batches`` after the first ``skip`` global ones."""
+        kept: Any = None
+        for index, batch in enumerate(batches):
+            position = index - skip
+            if position < 0:
+                continue
+            if position % self.world_size == self.rank:
+                kept = batch
+            if position % self.world_size == self.world_size - 1:
+                yield kept
+                kept = None
+
+
 @attrs.define
 class _Pass:
     """Where the latest pass over a `ShardedLoader` stands."""
@@ -176,9 +242,10 @@ def _data_loader(instance: object, attribute: attrs.Attribute[Any], value: objec
 
 
 def _sampler(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not isinstance(value, (ShardSampler, DistributedSampler)):
+    if not isinstance(value, (ShardSampler, DistributedSampler, StreamStride)):
         raise UsageError(
-            f"ShardedLoader.sampler must be a ShardSampler or a DistributedSampler (got "
+            "ShardedLoader.sampler must be a ShardSampler, a StreamStride or a DistributedSampler "
+            f"(got "
             f"{describe(value)}); strategy.shard(loader, ctx) builds both for you."
         )
 
@@ -194,7 +261,8 @@ class ShardedLoader:
 
     Attributes:
         loader: the rebuilt DataLoader.
-        sampler: its `ShardSampler` (or the user's distributed sampler).
+        sampler: its `ShardSampler`, the `StreamStride` of a stream, or the user's
+            distributed sampler.
         epoch: the epoch the next pass will use.
 
     Raises:
@@ -202,7 +270,7 @@ class ShardedLoader:
     """
 
     loader: DataLoader[Any] = attrs.field(validator=_data_loader)
-    sampler: ShardSampler | DistributedSampler[Any] = attrs.field(validator=_sampler)
+    sampler: ShardSampler | StreamStride | DistributedSampler[Any] = attrs.field(validator=_sampler)
     epoch: int = attrs.field(default=0, validator=_count)
     _start: int = attrs.field(default=0, init=False)
     _pass: _Pass | None = attrs.field(default=None, init=False, repr=False)
@@ -222,6 +290,14 @@ class ShardedLoader:
                 # Workers' seeds come from this generator: per epoch, and never from the
                 # global RNG, whose state a resumed run restores.
                 self.loader.generator.manual_seed((self.sampler.seed + progress.epoch) % _SEEDS)
+        elif isinstance(self.sampler, StreamStride):  # global batches the world consumed
+            skip = progress.start // (self.loader.batch_size or 1)
+            for batch in self.sampler.select(self.loader, skip):
+                progress.batches += 1
+                yield batch
+            if self._pass is progress:
+                self._pass = None
+            return
         else:  # a user's DistributedSampler cannot skip: its batches are loaded and dropped
             skip = progress.start // self._positions_per_batch()
         for index, batch in enumerate(self.loader):
@@ -233,13 +309,15 @@ class ShardedLoader:
 
     def _positions_per_batch(self) -> int:
         world = (
-            self.sampler.world_size
-            if isinstance(self.sampler, ShardSampler)
-            else self.sampler.num_replicas
+            self.sampler.num_replicas
+            if isinstance(self.sampler, DistributedSampler)
+            else self.sampler.world_size
         )
         return world * (self.loader.batch_size or 1)
 
     def __len__(self) -> int:
+        if isinstance(self.sampler, StreamStride):  # whole rounds of the stream's batches
+            return len(self.loader) // self.sampler.world_size
         return len(self.loader)
 
     def state_dict(self) -> dict[str, int]:
@@ -323,11 +401,15 @@ def shard_loader(loader: Iterable[T], ctx: Context) -> Iterable[T]:
     The user's choices carry over: shuffling (a ``RandomSampler``), its seed
     (the generator's initial seed, else 0), ``drop_last``, batch size, workers
     and collation. A loader whose sampler is already distributed is only
-    wrapped so that its epoch advances.
+    wrapped so that its epoch advances. A loader over an ``IterableDataset`` is
+    kept as it is and strided by batch (`StreamStride`): every rank reads the
+    whole stream, keeps every ``world_size``-th batch, and the incomplete last
+    round (at most ``world_size - 1`` batches) goes to no rank; the epoch
+    reaches the dataset's ``set_epoch`` where it has one.
 
     Raises:
-        UsageError: ``loader`` is not a DataLoader, iterates an
-            ``IterableDataset``, or uses a custom ``batch_sampler``; the message
+        UsageError: ``loader`` is not a DataLoader or uses a custom
+            ``batch_sampler``; the message
             says how to shard it by hand with ``ctx.rank`` and ``ctx.world_size``.
             Or its dataset is empty (`check_not_empty`), or ``ctx`` is not a `Context`.
     """
@@ -341,10 +423,8 @@ def shard_loader(loader: Iterable[T], ctx: Context) -> Iterable[T]:
     if isinstance(loader.sampler, (ShardSampler, DistributedSampler)):
         return ShardedLoader(loader=loader, sampler=loader.sampler)
     if isinstance(loader.dataset, IterableDataset):
-        raise UsageError(
-            "shard: a DataLoader over an IterableDataset cannot be re-sampled; split the "
-            "stream inside the dataset by ctx.rank and ctx.world_size."
-        )
+        stride = StreamStride(loader.dataset, rank=ctx.rank, world_size=ctx.world_size)
+        return ShardedLoader(loader=loader, sampler=stride)
     if loader.batch_size is None:
         raise UsageError(
             "shard: the DataLoader uses a custom batch_sampler, which shard cannot split; "

@@ -6,15 +6,23 @@ the ranks' shares are disjoint, together they cover the dataset but for at
 most ``world_size - 1`` samples (the dropped tail, more with ``drop_last``),
 and every rank has the same number of batches; with shuffling the order
 changes from epoch to epoch; and a second run with the same seed deals
-exactly the same.
+exactly the same. The same holds for a DataLoader over a stream (an
+``IterableDataset`` of the indices, reshuffled by its ``set_epoch``), where
+the tail is an incomplete round of at most ``world_size - 1`` batches; a
+shard that refuses streams with a `UsageError` is not faulted for it, nor is
+one that on a single rank returns the stream's loader as it is.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import attrs
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import ChainDataset, DataLoader, Dataset, IterableDataset
+from torch.utils.data.datapipes.iter import IterableWrapper
 
 from stratagem.errors import UsageError, describe
 from stratagem.strategy import StrategyLike
@@ -29,6 +37,44 @@ def _indices(size: int) -> Dataset[int]:
     return list(range(size))  # type: ignore[return-value]
 
 
+@attrs.define
+class _Stream:
+    """Samples 0..size-1 as a stream, reshuffled from ``seed + epoch`` when shuffling."""
+
+    size: int
+    seed: int
+    shuffle: bool
+    epoch: int = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        if not self.shuffle:
+            return iter(range(self.size))
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.size, generator=generator).tolist())
+
+
+def _iterable(size: int, seed: int, shuffle: bool) -> IterableDataset[int]:
+    # lib/ subclasses nothing, so the stream goes in torch's own IterableDatasets: a wrapper
+    # that iterates it afresh each pass, in a chain (a DataLoader hides a bare data pipe's
+    # attributes behind its own wrapper); the chain's epoch hook is the stream's.
+    stream = _Stream(size, seed, shuffle)
+    chain = ChainDataset([IterableWrapper(stream, deepcopy=False)])
+    chain.set_epoch = stream.set_epoch  # type: ignore[attr-defined]
+    return chain
+
+
+def _passes(
+    strategy: StrategyLike, ctx: Any, loader: DataLoader[int], epochs: int, stream: bool = False
+) -> Any:
+    shard = strategy.shard(loader, ctx)
+    if stream and shard is loader and ctx.world_size == 1:
+        return None  # one rank keeps the user's stream as it is (single_device): theirs to drive
+    return [[int(i) for batch in shard for i in batch] for _ in range(epochs)]
+
+
 def _epochs(
     strategy: StrategyLike,
     ctx: Any,
@@ -38,7 +84,8 @@ def _epochs(
     shuffle: bool,
     drop_last: bool,
     seed: int,
-) -> list[list[list[int]]]:
+    iterable: bool,
+) -> dict[str, Any]:
     runs = []
     for _ in range(2):  # twice from the same seed: dealing must be deterministic
         generator = torch.Generator().manual_seed(seed)
@@ -46,10 +93,18 @@ def _epochs(
             _indices(size), batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
             generator=generator,
         )  # fmt: skip
-        shard = strategy.shard(loader, ctx)
-        runs.append([[int(i) for batch in shard for i in batch] for _ in range(epochs)])
-    counts = [len(list(strategy.shard(DataLoader(_indices(size), batch_size=batch_size), ctx)))]
-    return [*runs, [counts]]
+        runs.append(_passes(strategy, ctx, loader, epochs))
+    count = len(list(strategy.shard(DataLoader(_indices(size), batch_size=batch_size), ctx)))
+    result: dict[str, Any] = {"map": runs, "count": count, "iterable": None}
+    if iterable:
+        streams = [_iterable(size, seed, shuffle) for _ in range(2)]
+        with contextlib.suppress(UsageError):  # a shard may refuse streams, clearly
+            runs = [
+                _passes(strategy, ctx, DataLoader(s, batch_size=batch_size), epochs, True)
+                for s in streams
+            ]
+            result["iterable"] = None if None in runs else runs
+    return result
 
 
 def check_shard_partition(
@@ -63,6 +118,7 @@ def check_shard_partition(
     shuffle: bool = True,
     drop_last: bool = False,
     seed: int = 5,
+    iterable: bool = True,
 ) -> None:
     """Law ``shard-partition``: disjoint, complete up to a small tail, equal batches, reshuffled.
 
@@ -76,6 +132,7 @@ def check_shard_partition(
         shuffle: whether the DataLoader shuffles (then epochs must differ in order).
         drop_last: the DataLoader's ``drop_last``.
         seed: the seed of the DataLoader's generator.
+        iterable: also check a DataLoader over a stream of the same samples.
 
     Raises:
         LawViolation: a sample went to two ranks, too many were left out, ranks
@@ -88,24 +145,62 @@ def check_shard_partition(
             raise UsageError(
                 f"check_shard_partition: {name!r} must be a positive int (got {describe(value)})."
             )
+    if not isinstance(iterable, bool):
+        raise UsageError(
+            f"check_shard_partition: 'iterable' must be True or False (got {describe(iterable)})."
+        )
     ranks = world.world_size if world is not None else world_size
     if size < ranks:
         raise UsageError(
             f"check_shard_partition: 'size' must be at least the world size {ranks} (got {size})."
         )
     results = run_on(
-        world, ranks, _epochs, strategy, size, batch_size, epochs, shuffle, drop_last, seed
-    )
+        world, ranks, _epochs, strategy, size, batch_size, epochs, shuffle, drop_last, seed,
+        iterable,
+    )  # fmt: skip
     inputs = (
         f"{size} samples, batch_size={batch_size}, shuffle={shuffle}, drop_last={drop_last}, "
         f"seed={seed}, {epochs} epochs"
     )
 
-    def broken(found: str) -> LawViolation:
-        return LawViolation("shard-partition", strategy, inputs, found)
+    def broken(kind: str) -> Callable[[str], LawViolation]:
+        return lambda found: LawViolation(
+            "shard-partition", strategy, f"{kind}, {inputs}", f"{kind}: {found}"
+        )
 
-    first = [result[0] for result in results]
     tail = ranks - 1 if not drop_last else size % ranks + ranks * batch_size
+    _check_runs([r["map"] for r in results], tail, batch_size, epochs, shuffle, seed, size,
+                broken("a map-style dataset"))  # fmt: skip
+    counts = {result["count"] for result in results}
+    if len(counts) > 1:
+        raise broken("a map-style dataset")(
+            f"an unshuffled loader gave the ranks {sorted(counts)} batches: every rank must get "
+            "the same number"
+        )
+    streams = [result["iterable"] for result in results]
+    if iterable and any(stream is not None for stream in streams):
+        if any(stream is None for stream in streams):
+            refused = [rank for rank, stream in enumerate(streams) if stream is None]
+            raise broken("an IterableDataset")(
+                f"ranks {refused} refused the stream and the others took it: ranks must agree"
+            )
+        _check_runs(streams, (ranks - 1) * batch_size, batch_size, epochs, shuffle, seed, size,
+                    broken("an IterableDataset"))  # fmt: skip
+
+
+def _check_runs(
+    runs: list[list[list[list[int]]]],
+    tail: int,
+    batch_size: int,
+    epochs: int,
+    shuffle: bool,
+    seed: int,
+    size: int,
+    broken: Callable[[str], LawViolation],
+) -> None:
+    """Check one kind of loader: per rank, two runs of ``epochs`` passes from one seed."""
+    first = [rank_runs[0] for rank_runs in runs]
+    ranks = len(first)
     for epoch in range(epochs):
         for rank in range(1, ranks):
             if first[rank][epoch] and sorted(first[rank][epoch]) == sorted(first[0][epoch]):
@@ -143,12 +238,6 @@ def check_shard_partition(
             "every epoch dealt the same order: the sampler's epoch never advances "
             "(DistributedSampler without set_epoch gives this)"
         )
-    for rank, result in enumerate(results):
-        if result[1] != result[0]:
+    for rank, rank_runs in enumerate(runs):
+        if rank_runs[1] != rank_runs[0]:
             raise broken(f"rank {rank}: two runs from seed {seed} dealt differently")
-    counts = {result[2][0][0] for result in results}
-    if len(counts) > 1:
-        raise broken(
-            f"an unshuffled loader gave the ranks {sorted(counts)} batches: every rank must get "
-            "the same number"
-        )
