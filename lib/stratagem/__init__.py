@@ -14,13 +14,9 @@ import importlib as _importlib
 import typing as _typing
 
 if _typing.TYPE_CHECKING:
-    from stratagem.arrivals import CollectiveCallError as CollectiveCallError
     from stratagem.checkpoint.entries import unwrap as unwrap
-    from stratagem.checkpoint.layout import CheckpointError as CheckpointError
     from stratagem.checkpoint.owners import per_rank as per_rank
-    from stratagem.combinators._base import CombinatorError as CombinatorError
     from stratagem.combinators.accumulation import accumulate as accumulate
-    from stratagem.combinators.checked import CollectiveMismatchError as CollectiveMismatchError
     from stratagem.combinators.checked import checked as checked
     from stratagem.combinators.clipping import with_clipping as with_clipping
     from stratagem.combinators.compiled import compiled as compiled
@@ -33,6 +29,10 @@ if _typing.TYPE_CHECKING:
     from stratagem.env import Context as Context
     from stratagem.env import Env as Env
     from stratagem.env import detect_env as detect_env
+    from stratagem.errors import CheckpointError as CheckpointError
+    from stratagem.errors import CollectiveCallError as CollectiveCallError
+    from stratagem.errors import CollectiveMismatchError as CollectiveMismatchError
+    from stratagem.errors import CombinatorError as CombinatorError
     from stratagem.errors import EnvError as EnvError
     from stratagem.errors import LaunchError as LaunchError
     from stratagem.errors import RankError as RankError
@@ -69,13 +69,13 @@ __version__ = "0.1.0"
 # Where each public name lives; the TYPE_CHECKING imports above must agree
 # (tests/test_structure.py checks).
 _WHERE: dict[str, str] = {
-    "CollectiveCallError": "stratagem.arrivals",
+    "CollectiveCallError": "stratagem.errors",
     "joined": "stratagem.script",
-    "CheckpointError": "stratagem.checkpoint.layout",
+    "CheckpointError": "stratagem.errors",
     "unwrap": "stratagem.checkpoint.entries",
     "per_rank": "stratagem.checkpoint.owners",
-    "CollectiveMismatchError": "stratagem.combinators.checked",
-    "CombinatorError": "stratagem.combinators._base",
+    "CollectiveMismatchError": "stratagem.errors",
+    "CombinatorError": "stratagem.errors",
     "JsonLinesSink": "stratagem.combinators.tracing",
     "ListSink": "stratagem.combinators.tracing",
     "TraceEvent": "stratagem.combinators.tracing",

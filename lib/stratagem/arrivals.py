@@ -20,7 +20,7 @@ from datetime import timedelta
 import attrs
 from torch.distributed import Store  # type: ignore[attr-defined]  # exported at run time
 
-from stratagem.errors import StratagemError, UsageError, describe
+from stratagem.errors import CollectiveCallError, UsageError, describe
 
 __all__ = [
     "NOT_CALLED_BY_ALL",
@@ -39,10 +39,6 @@ NOT_CALLED_BY_ALL = (
 
 DEFAULT_TIMEOUT = 60.0
 _PREFIX = "stratagem/arrivals"
-
-
-class CollectiveCallError(StratagemError, RuntimeError):
-    """Some ranks did not call a collective that this rank called (`NOT_CALLED_BY_ALL`)."""
 
 
 def check_arrival_timeout(value: object) -> float:

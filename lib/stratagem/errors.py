@@ -6,7 +6,13 @@ Every error is a :class:`StratagemError` and also the builtin it resembles, so
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
+    "CheckpointError",
+    "CollectiveCallError",
+    "CollectiveMismatchError",
+    "CombinatorError",
     "EnvError",
     "LaunchError",
     "RankError",
@@ -30,6 +36,28 @@ class EnvError(StratagemError, ValueError):
 
 class UsageError(StratagemError, ValueError):
     """An argument has a value the called function cannot work with."""
+
+
+class CombinatorError(StratagemError, ValueError):
+    """A combinator was applied twice, or in an order that cannot work."""
+
+
+class CheckpointError(StratagemError, ValueError):
+    """A checkpoint is incomplete, tampered with, or does not match what is loaded into it."""
+
+
+class CollectiveCallError(StratagemError, RuntimeError):
+    """Some ranks did not call a collective that this rank called (`NOT_CALLED_BY_ALL`)."""
+
+
+class CollectiveMismatchError(StratagemError, RuntimeError):
+    """Ranks called different collectives, or the same one with different arguments.
+
+    Raised on every rank by a `checked` strategy. ``fingerprints`` holds each
+    rank's `stratagem.combinators.checked.Fingerprint`, in rank order.
+    """
+
+    fingerprints: tuple[Any, ...] = ()
 
 
 class LaunchError(StratagemError, RuntimeError):

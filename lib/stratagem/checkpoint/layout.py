@@ -37,7 +37,7 @@ from typing import Any
 
 import attrs
 
-from stratagem.errors import StratagemError, UsageError, describe
+from stratagem.errors import CheckpointError, UsageError, describe
 
 __all__ = [
     "FORMAT",
@@ -55,10 +55,6 @@ FORMAT = "stratagem-checkpoint/2"
 MANIFEST = "stratagem.json"
 _TMP = ".tmp-"
 _OLD = ".old-"
-
-
-class CheckpointError(StratagemError, ValueError):
-    """A checkpoint is incomplete, tampered with, or does not match what is loaded into it."""
 
 
 def _ignore(stage: str) -> None:

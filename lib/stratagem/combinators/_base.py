@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 import torch
 
-from stratagem.errors import StratagemError, UsageError, describe
+from stratagem.errors import CombinatorError, UsageError, describe
 from stratagem.strategy import FIELD_SIGNATURES, Strategy, StrategyLike
 
 __all__ = [
@@ -28,10 +28,6 @@ __all__ = [
     "rebased",
     "root_optimizer",
 ]
-
-
-class CombinatorError(StratagemError, ValueError):
-    """A combinator was applied twice, or in an order that cannot work."""
 
 
 def check_strategy(strategy: object, combinator: str) -> Strategy:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from stratagem.collectives import expect_everyone
 from stratagem.combinators._base import CombinatorError, applied, check_strategy
 from stratagem.env import Context, check_context
-from stratagem.errors import StratagemError, UsageError, describe
+from stratagem.errors import CollectiveMismatchError, UsageError, describe
 from stratagem.fields import BarrierFn, BroadcastFn, GatherFn, ReduceFn, ReduceOp
 from stratagem.strategy import Strategy
 
@@ -40,16 +40,6 @@ __all__ = [
 ]
 
 _HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep  # combinators: not call sites
-
-
-class CollectiveMismatchError(StratagemError, RuntimeError):
-    """Ranks called different collectives, or the same one with different arguments.
-
-    Raised on every rank by a `checked` strategy. ``fingerprints`` holds each
-    rank's `Fingerprint`, in rank order.
-    """
-
-    fingerprints: tuple[Fingerprint, ...] = ()
 
 
 @attrs.frozen

@@ -1,0 +1,133 @@
+"""The validator kit: one shape for every "X must be Y (got Z)" check.
+
+A field validator names its owner the way the user wrote it: ``owner`` is a
+template with ``{name}`` for the field, e.g. ``"ShardSampler.{name}"`` or
+``"ddp({name}=...)"``. The same checks run inline through `require`, for
+arguments of plain functions. Each message ends with the bad value and its
+type (`describe`) and an optional hint that says how to fix it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from stratagem.errors import UsageError, describe
+
+__all__ = [
+    "Validator",
+    "a_bool",
+    "callable_field",
+    "choice",
+    "field",
+    "instance_of",
+    "is_int",
+    "is_number",
+    "non_negative_int",
+    "positive_int",
+    "positive_number",
+    "require",
+]
+
+Validator = Callable[[Any, Any, Any], None]
+"""An attrs validator: ``(instance, attribute, value) -> None``."""
+
+
+def is_int(value: object, minimum: int | None = None) -> bool:
+    """Whether ``value`` is an int (not a bool) of at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return False
+    return minimum is None or value >= minimum
+
+
+def is_number(value: object, *, above: float = -math.inf, at_most: float = math.inf) -> bool:
+    """Whether ``value`` is a finite int or float (not a bool) with ``above < value <= at_most``.
+
+    NaN and infinity are always refused: torch and gloo would fail on them later, far away.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return math.isfinite(value) and above < value <= at_most
+
+
+def require(
+    ok: bool,
+    label: str,
+    what: str,
+    value: object,
+    *,
+    hint: str = "",
+    error: type[Exception] = UsageError,
+) -> None:
+    """Raise ``error`` saying ``label must be what (got value)hint.`` unless ``ok``."""
+    if not ok:
+        raise error(f"{label} must be {what} (got {describe(value)}){hint}.")
+
+
+def field(
+    ok: Callable[[Any], bool],
+    owner: str,
+    what: str,
+    *,
+    hint: str = "",
+    optional: str | None = None,
+    error: type[Exception] = UsageError,
+) -> Validator:
+    """Return an attrs validator: ``ok(value)``, else an error naming ``owner``'s field.
+
+    ``optional`` accepts None as well and says what None means, e.g.
+    ``optional="None (full precision)"`` makes the message "must be None (full
+    precision) or <what>".
+    """
+    wanted = what if optional is None else f"{optional} or {what}"
+
+    def validate(instance: Any, attribute: Any, value: Any) -> None:
+        if optional is not None and value is None:
+            return
+        require(ok(value), owner.format(name=attribute.name), wanted, value, hint=hint, error=error)
+
+    return validate
+
+
+def positive_int(owner: str, **options: Any) -> Validator:
+    """Accept an int of at least 1."""
+    return field(lambda v: is_int(v, 1), owner, "a positive int", **options)
+
+
+def non_negative_int(owner: str, **options: Any) -> Validator:
+    """Accept an int of at least 0."""
+    return field(lambda v: is_int(v, 0), owner, "a non-negative int", **options)
+
+
+def a_bool(owner: str, **options: Any) -> Validator:
+    """Accept True or False (not 0, 1 or a string)."""
+    return field(lambda v: isinstance(v, bool), owner, "True or False", **options)
+
+
+def positive_number(
+    owner: str, *, unit: str = "", at_most: float = math.inf, **options: Any
+) -> Validator:
+    """Accept a finite number above 0 (and at most ``at_most``), of ``unit`` if named."""
+    what = "a positive number" + (f" of {unit}" if unit else "")
+    if at_most < math.inf:
+        what += f", at most {at_most:g}"
+    return field(lambda v: is_number(v, above=0, at_most=at_most), owner, what, **options)
+
+
+def choice(owner: str, choices: Sequence[object], **options: Any) -> Validator:
+    """Accept one of ``choices``, of the same type as the choice it equals."""
+    what = "one of " + ", ".join(map(repr, choices))
+    return field(
+        lambda v: type(v) in {type(c) for c in choices} and v in choices, owner, what, **options
+    )
+
+
+def instance_of(owner: str, kind: type | tuple[type, ...], what: str, **options: Any) -> Validator:
+    """Accept an instance of ``kind``, described to the user as ``what``."""
+    return field(lambda v: isinstance(v, kind), owner, what, **options)
+
+
+def callable_field(owner: str, what: str, **options: Any) -> Validator:
+    """Accept a callable, described to the user as ``what`` (its arguments, result)."""
+    return field(callable, owner, what, **options)
