@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, TensorDataset
 
 import stratagem as sg
-from stratagem.spawn import MAX_SECONDS
+from stratagem.launching import MAX_SECONDS
 from stratagem.strategy import FIELD_SIGNATURES
 
 T = TypeVar("T")

@@ -8,6 +8,7 @@ import signal
 import time
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -162,8 +163,8 @@ def test_ddp_on_one_device_runs_in_place_without_a_port():
         ({"timeout": -1}, "'timeout' must be positive"),
         ({"timeout": "1h"}, "'timeout' must be seconds"),
         ({"backend": "tcp"}, "'backend' must be None"),
-        ({"bucket_cap_mb": 0}, "'bucket_cap_mb' must be None or a positive number"),
-        ({"static_graph": "yes"}, "'static_graph' must be True or False"),
+        ({"bucket_cap_mb": 0}, r"ddp\(bucket_cap_mb=\.\.\.\) must be None or a positive number"),
+        ({"static_graph": "yes"}, r"ddp\(static_graph=\.\.\.\) must be True or False"),
         ({"device": "tpu"}, "'device' must be 'auto'"),
     ],
 )
@@ -175,3 +176,16 @@ def test_ddp_options_are_validated_at_construction(options, message):
 def test_spawn_settings_are_validated():
     with pytest.raises(sg.UsageError, match="Spawn.stop_grace must be a positive number"):
         sg.Spawn(stop_grace=0)
+
+
+def test_spawning_is_one_substitution_of_the_launch_field():
+    for spawning, plain in [
+        (sg.ddp_spawn(bucket_cap_mb=8), sg.ddp(bucket_cap_mb=8)),
+        (sg.fsdp_spawn(shard_size=2), sg.fsdp(shard_size=2)),
+        (sg.allreduce_grads_spawn(bucket_mb=4), sg.allreduce_grads(bucket_mb=4)),
+    ]:
+        assert spawning == sg.spawned(plain)
+        assert spawning.name == f"{plain.name}_spawn"
+        assert attrs.evolve(spawning, name=plain.name, launch=plain.launch) == plain
+    custom = sg.spawned(sg.ddp(), sg.Spawn(stop_grace=9))
+    assert custom.launch == sg.Spawn(stop_grace=9)

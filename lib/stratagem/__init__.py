@@ -40,12 +40,13 @@ if _typing.TYPE_CHECKING:
     from stratagem.errors import StrategyFieldError as StrategyFieldError
     from stratagem.errors import UsageError as UsageError
     from stratagem.fields import ReduceOp as ReduceOp
-    from stratagem.launchers import launch as launch
+    from stratagem.launching import Spawn as Spawn
+    from stratagem.launching import launch as launch
+    from stratagem.launching import spawned as spawned
     from stratagem.script import joined as joined
     from stratagem.sharding import ShardedLoader as ShardedLoader
     from stratagem.sharding import ShardSampler as ShardSampler
     from stratagem.sharding import StreamStride as StreamStride
-    from stratagem.spawn import Spawn as Spawn
     from stratagem.strategies.allreduce import allreduce_grads as allreduce_grads
     from stratagem.strategies.allreduce import allreduce_grads_spawn as allreduce_grads_spawn
     from stratagem.strategies.allreduce import (
@@ -96,11 +97,12 @@ _WHERE: dict[str, str] = {
     "StrategyFieldError": "stratagem.errors",
     "UsageError": "stratagem.errors",
     "ReduceOp": "stratagem.fields",
-    "launch": "stratagem.launchers",
+    "launch": "stratagem.launching",
     "ShardedLoader": "stratagem.sharding",
     "ShardSampler": "stratagem.sharding",
     "StreamStride": "stratagem.sharding",
-    "Spawn": "stratagem.spawn",
+    "Spawn": "stratagem.launching",
+    "spawned": "stratagem.launching",
     "allreduce_grads": "stratagem.strategies.allreduce",
     "allreduce_grads_spawn": "stratagem.strategies.allreduce",
     "broadcast_optimizer_state": "stratagem.strategies.allreduce",
@@ -162,6 +164,7 @@ __all__ = [
     "move_to_device",
     "per_rank",
     "single_device",
+    "spawned",
     "traced",
     "unwrap",
     "with_clipping",

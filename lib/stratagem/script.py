@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from stratagem.combinators._base import peel
 from stratagem.env import Context, Env, check_env, detect_env
 from stratagem.errors import UsageError, describe
-from stratagem.spawn import Spawn
+from stratagem.launching import Spawn
 from stratagem.strategy import StrategyLike
 
 __all__ = ["joined"]

@@ -111,7 +111,7 @@ def positive_number(
     """Accept a finite number above 0 (and at most ``at_most``), of ``unit`` if named."""
     what = "a positive number" + (f" of {unit}" if unit else "")
     if at_most < math.inf:
-        what += f", at most {at_most:g}"
+        what += f", at most {int(at_most) if float(at_most).is_integer() else at_most}"
     return field(lambda v: is_number(v, above=0, at_most=at_most), owner, what, **options)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Literal
+from typing import Any, Literal
 
 import attrs
 import torch
@@ -28,21 +28,19 @@ import torch.distributed as dist
 # buffer is written back into its tensors anyway.
 from torch._C._nn import flatten_dense_tensors as _flatten
 from torch._C._nn import unflatten_dense_tensors as _unflatten
-from typing_extensions import TypedDict, Unpack
 
 from stratagem import collectives, training
 from stratagem.arrivals import DEFAULT_TIMEOUT
 from stratagem.devices import DeviceSpec
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
-from stratagem.spawn import Spawn, spawn_launcher
+from stratagem.launching import Spawn, spawned
 from stratagem.strategies.ddp import ddp
 from stratagem.strategy import Strategy
 from stratagem.trees import leaves_in, map_leaves, map_tensors
 
 __all__ = [
     "COMPRESSIONS",
-    "AllreduceArgs",
     "AllreduceThenStep",
     "Compression",
     "allreduce_grads",
@@ -299,48 +297,15 @@ def allreduce_grads(
     )
 
 
-# Functional syntax on purpose, as DDPArgs: no class in lib/ derives from anything but
-# Protocol or an exception.
-AllreduceArgs = TypedDict(  # noqa: UP013
-    "AllreduceArgs",
-    {
-        "bucket_mb": float,
-        "compression": "Compression | None",
-        "device": DeviceSpec,
-        "backend": "str | None",
-        "timeout": "float | timedelta",
-        "arrival_timeout": float,
-    },
-    total=False,
-)
-"""The keyword arguments of `allreduce_grads`, for factories that forward them."""
-
-
-def allreduce_grads_spawn(
-    *, start: Spawn | None = None, **options: Unpack[AllreduceArgs]
-) -> Strategy:
-    """`allreduce_grads` whose ranks are spawned on this host (the launch field substituted).
-
-    Args:
-        start: the spawn launcher and its timeouts (default ``Spawn()``).
-        **options: the keyword arguments of `allreduce_grads`.
-
-    Raises:
-        UsageError: ``start`` is not a `Spawn`, or an option is malformed.
+def allreduce_grads_spawn(*, start: Spawn | None = None, **options: Any) -> Strategy:
+    """Return ``spawned(allreduce_grads(**options), start)``: ranks spawned on this host.
 
     Example:
-        >>> import attrs, stratagem as sg
-        >>> spawned = sg.allreduce_grads_spawn(bucket_mb=8)
-        >>> attrs.evolve(spawned, name="allreduce_grads", launch=sg.ddp().launch) == (
-        ...     sg.allreduce_grads(bucket_mb=8)
-        ... )
+        >>> import stratagem as sg
+        >>> sg.allreduce_grads_spawn(bucket_mb=8) == sg.spawned(sg.allreduce_grads(bucket_mb=8))
         True
     """
-    return attrs.evolve(
-        allreduce_grads(**options),
-        name="allreduce_grads_spawn",
-        launch=spawn_launcher(start, "allreduce_grads_spawn"),
-    )
+    return spawned(allreduce_grads(**options), start)
 
 
 @attrs.frozen

@@ -1,14 +1,12 @@
-"""``ddp()`` and ``ddp_spawn()``: DistributedDataParallel, in place or on spawned local ranks.
+"""``ddp()``: DistributedDataParallel on the ranks of a world; ``ddp_spawn()`` = ``spawned(ddp())``.
 
-``ddp_spawn(**options)`` is ``attrs.evolve(ddp(**options), name="ddp_spawn",
-launch=Spawn())``: the launch field is the whole difference.
+Every field is named in `ddp` below: the process group's setup and teardown
+(`stratagem.process_group`), the DDP wrapper and its ``no_sync`` (here), and the
+step, collectives and checkpoints every built-in shares.
 """
 
 from __future__ import annotations
 
-import gc
-import math
-import os
 import warnings
 from contextlib import AbstractContextManager
 from datetime import timedelta
@@ -17,27 +15,20 @@ from typing import Any
 import attrs
 import torch
 import torch.distributed as dist
-from torch.distributed import (  # type: ignore[attr-defined]  # exported at run time
-    HashStore,
-    PrefixStore,
-    Store,
-    TCPStore,
-)
 from torch.nn.parallel import DistributedDataParallel
-from typing_extensions import TypedDict, Unpack
 
-from stratagem import training
-from stratagem.arrivals import DEFAULT_TIMEOUT, Arrivals, check_arrival_timeout
-from stratagem.devices import DeviceSpec, check_device_spec, resolve_device
-from stratagem.env import Context, Env, check_context, check_env
-from stratagem.errors import LaunchError, UsageError, describe
+from stratagem import checkpoint, collectives, training
+from stratagem.arrivals import DEFAULT_TIMEOUT
+from stratagem.devices import DeviceSpec, check_device_spec
+from stratagem.env import Context, check_context
+from stratagem.errors import UsageError
+from stratagem.launching import Spawn, in_place, spawned
+from stratagem.process_group import JoinProcessGroup, leave_process_group
 from stratagem.sharding import shard_loader
-from stratagem.spawn import MAX_SECONDS, Spawn, spawn_launcher
-from stratagem.strategies.single import single_device
 from stratagem.strategy import Strategy
+from stratagem.validators import a_bool, positive_number
 
 __all__ = [
-    "DDPArgs",
     "DDPOptions",
     "JoinProcessGroup",
     "WrapDDP",
@@ -47,165 +38,20 @@ __all__ = [
     "leave_process_group",
 ]
 
-BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
-
-
-def _to_timedelta(value: float | timedelta) -> timedelta:
-    if isinstance(value, timedelta):
-        return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise UsageError(
-            f"'timeout' must be seconds (a number) or a datetime.timedelta (got {describe(value)})."
-        )
-    if not -MAX_SECONDS <= value <= MAX_SECONDS:  # NaN, infinity: timedelta cannot hold them
-        raise UsageError(_timeout_range(f"{value} seconds"))
-    return timedelta(seconds=value)
-
-
-def _timeout_range(shown: str) -> str:
-    return (
-        f"'timeout' must be positive and at most {MAX_SECONDS} seconds (got {shown}); "
-        "a collective that waits longer has hung."
-    )
-
-
-def _positive_timeout(
-    instance: object, attribute: attrs.Attribute[timedelta], value: timedelta
-) -> None:
-    # gloo refuses larger values (a negative count after conversion) deep inside init;
-    # the same bound for every backend, as no real collective should wait 11 days.
-    if not 0 < value.total_seconds() <= MAX_SECONDS:
-        raise UsageError(_timeout_range(f"{value.total_seconds()} seconds"))
-
-
-def _backend(instance: object, attribute: attrs.Attribute[str | None], value: object) -> None:
-    if value is not None and (not isinstance(value, str) or value not in BACKENDS):
-        raise UsageError(
-            f"'backend' must be None (gloo on CPU, nccl on CUDA) or one of "
-            f"{', '.join(map(repr, BACKENDS))} (got {describe(value)})."
-        )
-
-
-@attrs.frozen(kw_only=True)
-class JoinProcessGroup:
-    """Setup field of a multi-process world: choose the device, join the default process group.
-
-    Every rank connects to the store at ``master_addr:master_port``; rank 0
-    hosts it unless a launcher agent already does (``env.agent_store``). A
-    world of one uses an in-memory store and needs no port. The store also
-    serves the `Arrivals` checks of save, load and barrier, which give up
-    after ``arrival_timeout`` seconds.
-
-    Raises:
-        UsageError: ``env`` is not an `Env`, or the device is not available.
-        LaunchError: a multi-rank world without a port, a process group already
-            initialised, or a store that cannot be served or reached.
-    """
-
-    device: DeviceSpec = "auto"
-    backend: str | None = attrs.field(default=None, validator=_backend)
-    timeout: timedelta = attrs.field(
-        default=timedelta(minutes=30), converter=_to_timedelta, validator=_positive_timeout
-    )
-    arrival_timeout: float = attrs.field(default=DEFAULT_TIMEOUT, converter=check_arrival_timeout)
-
-    def __call__(self, env: Env) -> Context:
-        check_env(env, "setup")
-        if env.world_size > 1 and env.master_port == 0:
-            # Port 0 would let rank 0's store pick any port, which the others cannot know.
-            raise LaunchError(
-                f"setup: a world of {env.world_size} needs a rendezvous port, but "
-                f"master_port is 0 ({env.source!r}); set MASTER_PORT, or launch with "
-                "ddp_spawn(), which picks one."
-            )
-        device = resolve_device(self.device, env.local_rank)
-        backend = self.backend or ("nccl" if device.type == "cuda" else "gloo")
-        if backend == "nccl" and (device.type != "cuda" or not dist.is_nccl_available()):
-            raise UsageError(
-                f"setup: backend 'nccl' runs on CUDA devices only, but this rank's device is "
-                f"{str(device)!r} (CUDA available: {torch.cuda.is_available()}, NCCL built: "
-                f"{dist.is_nccl_available()}); use backend=None (gloo on the CPU) or 'gloo'."
-            )
-        if dist.is_initialized():
-            raise LaunchError(
-                "setup: a default process group is already initialised in this process; "
-                "call torch.distributed.destroy_process_group() first, or let stratagem own it."
-            )
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        store: Store
-        if env.world_size == 1:
-            store = HashStore()
-        else:
-            hosting = env.rank == 0 and not env.agent_store
-            try:
-                store = TCPStore(
-                    env.master_addr,
-                    env.master_port,
-                    world_size=env.world_size,
-                    is_master=hosting,
-                    timeout=self.timeout,
-                    wait_for_workers=False,
-                )
-            except RuntimeError as error:  # DistNetworkError, DistStoreError
-                raise LaunchError(_store_failure(env, hosting, error)) from error
-        dist.init_process_group(
-            backend, store=store, rank=env.rank, world_size=env.world_size, timeout=self.timeout
-        )
-        # A torchrun agent's store outlives a restart: each attempt signs in under its own prefix.
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        arrivals = Arrivals(PrefixStore(f"attempt_{attempt}", store), timeout=self.arrival_timeout)
-        return Context(env=env, device=device, group=dist.group.WORLD, arrivals=arrivals)
-
-
-def _store_failure(env: Env, hosting: bool, error: RuntimeError) -> str:
-    where = f"{env.master_addr}:{env.master_port}"
-    if hosting:
-        return (
-            f"setup: rank 0 could not serve the rendezvous store on port {env.master_port}: "
-            f"it is in use or not available ({error}). Set MASTER_PORT to a free port "
-            "(under SLURM the default port comes from the job id)."
-        )
-    return (
-        f"setup: rank {env.rank} could not reach the rendezvous store at {where} within "
-        f"the timeout ({error}); check MASTER_ADDR/MASTER_PORT and that rank 0 started."
-    )
-
-
-def leave_process_group(ctx: Context) -> None:
-    """Teardown field: destroy the process group once nothing uses it any more."""
-    check_context(ctx, "teardown")
-    # A DDP reducer still alive when a gloo group is destroyed can deadlock: collect first.
-    gc.collect()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _bucket_cap(instance: object, attribute: attrs.Attribute[float | None], value: object) -> None:
-    # DDP turns it into a byte count: NaN and infinity would fail there, at wrap, on every rank.
-    if value is not None and (
-        isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf
-    ):
-        raise UsageError(
-            f"'bucket_cap_mb' must be None or a positive number of MiB, finite "
-            f"(got {describe(value)})."
-        )
-
-
-def _flag(instance: object, attribute: attrs.Attribute[bool], value: object) -> None:
-    if not isinstance(value, bool):
-        raise UsageError(f"'{attribute.name}' must be True or False (got {describe(value)}).")
+_FLAG = a_bool("ddp({name}=...)")
+# DDP turns it into a byte count: NaN and infinity would fail there, at wrap, on every rank.
+_BUCKET_CAP = positive_number("ddp({name}=...)", unit="MiB, finite", optional="None")
 
 
 @attrs.frozen(kw_only=True)
 class DDPOptions:
     """Keyword arguments passed to ``DistributedDataParallel``, validated at construction."""
 
-    find_unused_parameters: bool = attrs.field(default=False, validator=_flag)
-    gradient_as_bucket_view: bool = attrs.field(default=False, validator=_flag)
-    static_graph: bool = attrs.field(default=False, validator=_flag)
-    broadcast_buffers: bool = attrs.field(default=True, validator=_flag)
-    bucket_cap_mb: float | None = attrs.field(default=None, validator=_bucket_cap)
+    find_unused_parameters: bool = attrs.field(default=False, validator=_FLAG)
+    gradient_as_bucket_view: bool = attrs.field(default=False, validator=_FLAG)
+    static_graph: bool = attrs.field(default=False, validator=_FLAG)
+    broadcast_buffers: bool = attrs.field(default=True, validator=_FLAG)
+    bucket_cap_mb: float | None = attrs.field(default=None, validator=_BUCKET_CAP)
 
 
 @attrs.frozen
@@ -279,8 +125,8 @@ def ddp(
 ) -> Strategy:
     """DistributedDataParallel on the ranks that torchrun or SLURM started (it runs in place).
 
-    For ranks started here, use `ddp_spawn`, the same record with a launch
-    field that spawns.
+    For ranks started here, use ``spawned(ddp())`` (alias `ddp_spawn`), the
+    same record with a launch field that spawns.
 
     Args:
         device: ``"auto"`` (``cuda:LOCAL_RANK``, else CPU) or a device.
@@ -299,9 +145,9 @@ def ddp(
     Raises:
         UsageError: an option has the wrong type or value.
     """
-    return attrs.evolve(
-        single_device(),
+    return Strategy(
         name="ddp",
+        launch=in_place,
         setup=JoinProcessGroup(
             device=check_device_spec(device),
             backend=backend,
@@ -317,45 +163,27 @@ def ddp(
                 bucket_cap_mb=bucket_cap_mb,
             )
         ),
+        step=training.step,
+        backward=training.backward,
+        update=training.update,
         no_sync=ddp_no_sync,
+        reduce=collectives.reduce,
+        gather=collectives.gather,
+        broadcast=collectives.broadcast,
+        barrier=collectives.barrier,
         shard=shard_loader,
+        save=checkpoint.save,
+        load=checkpoint.load,
         teardown=leave_process_group,
     )
 
 
-# Functional syntax on purpose: no class statement in lib/ derives from anything but
-# Protocol or an exception, and a TypedDict is a plain dict at run time anyway.
-DDPArgs = TypedDict(  # noqa: UP013
-    "DDPArgs",
-    {
-        "device": DeviceSpec,
-        "backend": "str | None",
-        "timeout": "float | timedelta",
-        "arrival_timeout": float,
-        "find_unused_parameters": bool,
-        "gradient_as_bucket_view": bool,
-        "static_graph": bool,
-        "broadcast_buffers": bool,
-        "bucket_cap_mb": "float | None",
-    },
-    total=False,
-)
-"""The keyword arguments of `ddp`, for factories that forward them."""
-
-
-def ddp_spawn(*, start: Spawn | None = None, **options: Unpack[DDPArgs]) -> Strategy:
-    """`ddp` whose ranks are spawned on this host: ``ddp()`` with the launch field substituted.
-
-    Args:
-        start: the spawn launcher and its timeouts (default ``Spawn()``).
-        **options: the keyword arguments of `ddp`.
-
-    Raises:
-        UsageError: ``start`` is not a `Spawn`, or an option is malformed.
+def ddp_spawn(*, start: Spawn | None = None, **options: Any) -> Strategy:
+    """Return ``spawned(ddp(**options), start)``: `ddp` with ranks spawned on this host.
 
     Example:
-        >>> import attrs, stratagem as sg
-        >>> attrs.evolve(sg.ddp_spawn(), name="ddp", launch=sg.ddp().launch) == sg.ddp()
+        >>> import stratagem as sg
+        >>> sg.ddp_spawn(bucket_cap_mb=8) == sg.spawned(sg.ddp(bucket_cap_mb=8))
         True
     """
-    return attrs.evolve(ddp(**options), name="ddp_spawn", launch=spawn_launcher(start, "ddp_spawn"))
+    return spawned(ddp(**options), start)

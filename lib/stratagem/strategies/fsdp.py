@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 import torch
-from typing_extensions import TypedDict, Unpack
 
 from stratagem import training
 from stratagem.arrivals import DEFAULT_TIMEOUT
@@ -30,9 +29,10 @@ from stratagem.devices import DeviceSpec
 from stratagem.env import Context, Env, check_context, check_env
 from stratagem.errors import UsageError, describe
 from stratagem.fields import SetupFn
-from stratagem.spawn import Spawn, spawn_launcher
+from stratagem.launching import Spawn, spawned
+from stratagem.process_group import JoinProcessGroup
 from stratagem.strategies.allreduce import check_same_layout
-from stratagem.strategies.ddp import JoinProcessGroup, ddp
+from stratagem.strategies.ddp import ddp
 from stratagem.strategies.shard_policies import (
     AboveParameters,
     EveryModuleOf,
@@ -51,7 +51,6 @@ __all__ = [
     "OPTIMIZER_BEFORE_WRAP",
     "AboveParameters",
     "EveryModuleOf",
-    "FSDPArgs",
     "JoinMesh",
     "ShardPolicy",
     "ShardSize",
@@ -460,40 +459,11 @@ def fsdp(
     )
 
 
-# Functional syntax on purpose, as for DDPArgs: no class in lib/ derives from TypedDict.
-FSDPArgs = TypedDict(  # noqa: UP013
-    "FSDPArgs",
-    {
-        "shard_when": "ShardPolicy | None",
-        "reshard_after_forward": "bool | int | None",
-        "mp_policy": "MixedPrecisionPolicy | None",
-        "shard_size": ShardSize,
-        "sync_module_states": bool,
-        "device": DeviceSpec,
-        "backend": "str | None",
-        "timeout": "float | timedelta",
-        "arrival_timeout": float,
-    },
-    total=False,
-)
-"""The keyword arguments of `fsdp`, for factories that forward them."""
-
-
-def fsdp_spawn(*, start: Spawn | None = None, **options: Unpack[FSDPArgs]) -> Strategy:
-    """`fsdp` whose ranks are spawned on this host: ``fsdp()`` with the launch field substituted.
-
-    Args:
-        start: the spawn launcher and its timeouts (default ``Spawn()``).
-        **options: the keyword arguments of `fsdp`.
-
-    Raises:
-        UsageError: ``start`` is not a `Spawn`, or an option is malformed.
+def fsdp_spawn(*, start: Spawn | None = None, **options: Any) -> Strategy:
+    """Return ``spawned(fsdp(**options), start)``: `fsdp` with ranks spawned on this host.
 
     Example:
-        >>> import attrs
-        >>> attrs.evolve(fsdp_spawn(), name="fsdp", launch=fsdp().launch) == fsdp()
+        >>> fsdp_spawn(shard_size=2) == spawned(fsdp(shard_size=2))
         True
     """
-    return attrs.evolve(
-        fsdp(**options), name="fsdp_spawn", launch=spawn_launcher(start, "fsdp_spawn")
-    )
+    return spawned(fsdp(**options), start)

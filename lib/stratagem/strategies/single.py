@@ -12,7 +12,7 @@ from stratagem import checkpoint, collectives, training
 from stratagem.devices import DeviceSpec, check_device_spec, resolve_device
 from stratagem.env import Context, Env, check_context, check_env
 from stratagem.errors import LaunchError, UsageError, describe
-from stratagem.launchers import in_place
+from stratagem.launching import in_place
 from stratagem.sharding import check_not_empty
 from stratagem.strategy import Strategy
 

@@ -32,10 +32,7 @@ from typing import Any, TypeVar
 
 import attrs
 
-from stratagem.combinators._base import peel, rebased
-from stratagem.env import Context, Env
-from stratagem.errors import LaunchError, RankError, UsageError, describe
-from stratagem.processes import (
+from stratagem._processes import (
     death_error,
     local_env,
     pack,
@@ -47,6 +44,9 @@ from stratagem.processes import (
     send_error,
     stop,
 )
+from stratagem.combinators._base import peel, rebased
+from stratagem.env import Context, Env
+from stratagem.errors import LaunchError, RankError, UsageError, describe
 from stratagem.strategy import StrategyLike
 
 __all__ = ["World", "WorldTimeoutError"]

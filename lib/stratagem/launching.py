@@ -1,8 +1,20 @@
-"""`launch`: run a training function on every rank of a world, and the in-place launcher.
+"""Launching: `launch`, the two launch fields (`in_place`, `Spawn`) and `spawned`.
 
 ``stratagem.launch(fn, strategy, devices=...)`` hands over to the strategy's
 own ``launch`` field, which decides how processes start: in place (this
 process, or each process torchrun / SLURM started) or spawned on this host.
+``spawned(strategy)`` is the one substitution that turns an in-place strategy
+into one that starts its own ranks: ``ddp_spawn()`` is ``spawned(ddp())``.
+The processes themselves (pipes, signals, the rendezvous store) are
+`stratagem._processes`'s business.
+
+The spawn launcher hosts the rendezvous store on a socket it bound to
+127.0.0.1 (no port race, nothing listening on other interfaces), starts one
+``spawn`` process per rank, and reads one message per rank from a pipe: the
+result, or the exception with its traceback. A rank that fails stops the
+others within ``stop_grace`` seconds; a rank that does not exit after sending
+its result is killed after ``exit_timeout`` seconds, so a hang in
+process-group teardown cannot hang the caller.
 """
 
 from __future__ import annotations
@@ -11,13 +23,16 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, TypeVar
 
+import attrs
 import torch.distributed as dist
 
+from stratagem._processes import SpawnedWorld, pack, rendezvous
 from stratagem.env import detect_env
-from stratagem.errors import LaunchError, UsageError, describe
-from stratagem.strategy import StrategyLike
+from stratagem.errors import CombinatorError, LaunchError, UsageError, describe
+from stratagem.strategy import Strategy, StrategyLike
+from stratagem.validators import positive_number
 
-__all__ = ["check_field_arguments", "in_place", "launch"]
+__all__ = ["MAX_SECONDS", "Spawn", "check_field_arguments", "in_place", "launch", "spawned"]
 
 R = TypeVar("R")
 
@@ -136,3 +151,87 @@ def in_place(
     finally:
         strategy.teardown(ctx)
     return results
+
+
+# The pipes' wait() takes milliseconds as a C int: about 24 days at most. Longer waits are a
+# typo or a wish for "forever", which a launcher should not grant a hung rank.
+MAX_SECONDS = 1_000_000
+
+
+_SECONDS = positive_number("Spawn.{name}", unit="seconds", at_most=MAX_SECONDS)
+
+
+@attrs.frozen(kw_only=True)
+class Spawn:
+    """Launch field that starts ``devices`` processes on this host.
+
+    Inside a world torchrun or SLURM started, or for ``devices=1``, it runs in
+    place instead: a launcher never starts processes inside another launcher's world.
+
+    Attributes:
+        stop_grace: seconds the surviving ranks get to exit after SIGTERM when
+            a rank failed, before SIGKILL.
+        exit_timeout: seconds a rank gets to exit after it sent its result,
+            before it is killed (its result is kept).
+        store_timeout: seconds the rendezvous store waits for a rank to connect.
+
+    Raises:
+        UsageError: a setting is not a positive number of seconds up to `MAX_SECONDS`.
+    """
+
+    stop_grace: float = attrs.field(default=5.0, validator=_SECONDS)
+    exit_timeout: float = attrs.field(default=30.0, validator=_SECONDS)
+    store_timeout: float = attrs.field(default=300.0, validator=_SECONDS)
+
+    def __call__(
+        self, fn: Callable[..., Any], strategy: StrategyLike, devices: int, args: Sequence[Any]
+    ) -> list[Any]:
+        check_field_arguments(fn, devices, args)
+        if devices == 1 or detect_env(os.environ).is_distributed:
+            return in_place(fn, strategy, devices, args)
+        payload = pack(fn, strategy, args)
+        with rendezvous(self.store_timeout) as port:
+            return SpawnedWorld(self, devices, port, payload).run()
+
+
+def spawned(strategy: Strategy, start: Spawn | None = None) -> Strategy:
+    """Return ``strategy`` with ranks started on this host: its launch field becomes a `Spawn`.
+
+    The whole difference between ``ddp()`` (run in place, in each process
+    torchrun or SLURM started) and ``ddp_spawn()`` is this one field, so
+    ``spawned(ddp()) == ddp_spawn()``. Inside a launcher's world, or for
+    ``devices=1``, a `Spawn` runs in place, so a spawned strategy also works
+    under torchrun. The record is renamed ``<name>_spawn``.
+
+    Args:
+        strategy: a `Strategy` whose setup joins a multi-process world (``ddp()``,
+            ``fsdp()``, ``allreduce_grads()``, or your own).
+        start: the spawn launcher and its timeouts (default ``Spawn()``).
+
+    Raises:
+        UsageError: ``strategy`` is not a `Strategy`, or ``start`` not a `Spawn`.
+        CombinatorError: ``strategy`` already spawns.
+
+    Example:
+        >>> import stratagem as sg
+        >>> sg.spawned(sg.ddp(), sg.Spawn(stop_grace=10)).launch
+        Spawn(stop_grace=10, exit_timeout=30.0, store_timeout=300.0)
+    """
+    if not isinstance(strategy, Strategy):
+        raise UsageError(
+            f"spawned: 'strategy' must be a Strategy (got {describe(strategy)}); build one with "
+            "sg.ddp(), sg.fsdp() or attrs.evolve."
+        )
+    if start is None:
+        start = Spawn()
+    if not isinstance(start, Spawn):
+        raise UsageError(
+            f"spawned: 'start' must be None or a Spawn (got {describe(start)}), e.g. "
+            "Spawn(stop_grace=10)."
+        )
+    if isinstance(strategy.launch, Spawn):
+        raise CombinatorError(
+            f"spawned: {strategy.name!r} already starts its own ranks; pass the strategy "
+            "before spawned() was applied, with the Spawn you want."
+        )
+    return attrs.evolve(strategy, name=f"{strategy.name}_spawn", launch=start)

@@ -1,4 +1,4 @@
-"""Process plumbing shared by the spawn launcher and the testing kit's `World`.
+"""Process plumbing (private): the spawn launcher's ranks, and what the kit's `World` shares.
 
 Messages between parent and ranks are tuples pickled with plain ``pickle``
 over one-way pipes; the rendezvous store is served by the parent on a socket
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
+import multiprocessing
 import os
 import pickle
 import signal
@@ -19,10 +21,11 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+import attrs
 import torch
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # exported at run time
 
@@ -33,11 +36,13 @@ from stratagem.strategy import StrategyLike
 _PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
 
 __all__ = [
+    "SpawnedWorld",
     "death_error",
     "forwarding_signals",
     "local_env",
     "pack",
     "prepare_rank",
+    "rank_main",
     "receive",
     "remote_error",
     "rendezvous",
@@ -217,3 +222,106 @@ def stop(processes: Sequence[BaseProcess], grace: float) -> None:
             process.kill()
             process.join()
         process.close()
+
+
+@attrs.define
+class SpawnedWorld:
+    """The parent's view of the spawned ranks, for one launch."""
+
+    options: Any  # the Spawn launch field: stop_grace, exit_timeout
+    devices: int
+    port: int
+    payload: bytes
+    processes: list[BaseProcess] = attrs.field(factory=list)
+    pipes: list[Connection] = attrs.field(factory=list)
+
+    def run(self) -> list[Any]:
+        context = multiprocessing.get_context("spawn")
+        with forwarding_signals(self.processes):
+            return self._start_and_collect(context)
+
+    def _start_and_collect(self, context: Any) -> list[Any]:
+        try:
+            for rank in range(self.devices):
+                reader, writer = context.Pipe(duplex=False)
+                process = context.Process(
+                    target=rank_main,
+                    args=(writer, self.payload, local_env(rank, self.devices, self.port)),
+                    name=f"stratagem-rank-{rank}",
+                )
+                process.start()
+                writer.close()  # the child holds the only writing end: EOF means it is gone
+                self.processes.append(process)
+                self.pipes.append(reader)
+            return self._collect()
+        finally:
+            stop(self.processes, self.options.stop_grace)
+            for pipe in self.pipes:
+                pipe.close()
+
+    def _collect(self) -> list[Any]:
+        """Read every rank's result; raise on the first error or death.
+
+        After its result a rank only tears down, so it gets ``exit_timeout``
+        seconds to close its pipe (a teardown error still arrives as a message);
+        past that it is killed and its result kept.
+        """
+        results: dict[int, Any] = {}
+        done_at: dict[int, float] = {}
+        watching = dict(enumerate(self.pipes))
+        while watching:
+            now = time.monotonic()
+            for rank in [r for r in watching if r in done_at]:
+                if now - done_at[rank] > self.options.exit_timeout:
+                    del watching[rank]  # lingering after its result: `stop` kills it
+            if not watching:
+                break
+            deadlines = [
+                done_at[r] + self.options.exit_timeout - now for r in watching if r in done_at
+            ]
+            timeout = max(0.0, min(deadlines)) if len(deadlines) == len(watching) else None
+            ready = wait(list(watching.values()), timeout)
+            for rank, pipe in list(watching.items()):
+                if pipe not in ready:
+                    continue
+                try:
+                    kind, *body = receive(pipe)
+                except EOFError:
+                    del watching[rank]
+                    if rank not in results:
+                        raise death_error(
+                            rank, self.processes[rank], self.options.stop_grace
+                        ) from None
+                    continue
+                if kind == "error":
+                    raise remote_error(rank, body)
+                results[rank] = body[0]
+                done_at[rank] = time.monotonic()
+        return [results[rank] for rank in range(self.devices)]
+
+
+def rank_main(pipe: Connection, payload: bytes, env: Env) -> None:
+    """Body of a spawned rank: join, run, report, leave, and exit without interpreter teardown."""
+    code = 0
+    prepare_rank(env)
+    try:
+        fn, strategy, args = pickle.loads(payload)
+        ctx = strategy.setup(env)
+        try:
+            result = fn(strategy, ctx, *args)
+            send(pipe, ("ok", result))
+            del result
+        finally:
+            # Free the user's objects (a DDP reducer above all) before the process group goes:
+            # destroying a gloo group under a live DDP module can deadlock.
+            gc.collect()
+            strategy.teardown(ctx)
+    except BaseException as error:  # report everything, KeyboardInterrupt included
+        send_error(pipe, error)
+        code = 1
+    finally:
+        pipe.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Skip interpreter finalisation: atexit hooks of torch/gloo are where exits hang.
+        os._exit(code)

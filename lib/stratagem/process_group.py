@@ -1,0 +1,159 @@
+"""Joining and leaving a multi-process world: setup and teardown of ddp, fsdp, allreduce_grads.
+
+`JoinProcessGroup` picks the device, serves or reaches the rendezvous store and
+initialises the default process group; `leave_process_group` destroys it once
+nothing uses it any more.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from datetime import timedelta
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch.distributed import (  # type: ignore[attr-defined]  # exported at run time
+    HashStore,
+    PrefixStore,
+    Store,
+    TCPStore,
+)
+
+from stratagem.arrivals import DEFAULT_TIMEOUT, Arrivals, check_arrival_timeout
+from stratagem.devices import DeviceSpec, resolve_device
+from stratagem.env import Context, Env, check_context, check_env
+from stratagem.errors import LaunchError, UsageError, describe
+from stratagem.launching import MAX_SECONDS
+from stratagem.validators import choice
+
+__all__ = ["BACKENDS", "JoinProcessGroup", "leave_process_group"]
+
+BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
+
+
+def _to_timedelta(value: float | timedelta) -> timedelta:
+    if isinstance(value, timedelta):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UsageError(
+            f"'timeout' must be seconds (a number) or a datetime.timedelta (got {describe(value)})."
+        )
+    if not -MAX_SECONDS <= value <= MAX_SECONDS:  # NaN, infinity: timedelta cannot hold them
+        raise UsageError(_timeout_range(f"{value} seconds"))
+    return timedelta(seconds=value)
+
+
+def _timeout_range(shown: str) -> str:
+    return (
+        f"'timeout' must be positive and at most {MAX_SECONDS} seconds (got {shown}); "
+        "a collective that waits longer has hung."
+    )
+
+
+def _positive_timeout(
+    instance: object, attribute: attrs.Attribute[timedelta], value: timedelta
+) -> None:
+    # gloo refuses larger values (a negative count after conversion) deep inside init;
+    # the same bound for every backend, as no real collective should wait 11 days.
+    if not 0 < value.total_seconds() <= MAX_SECONDS:
+        raise UsageError(_timeout_range(f"{value.total_seconds()} seconds"))
+
+
+_BACKEND = choice("'{name}'", BACKENDS, optional="None (gloo on CPU, nccl on CUDA)")
+
+
+@attrs.frozen(kw_only=True)
+class JoinProcessGroup:
+    """Setup field of a multi-process world: choose the device, join the default process group.
+
+    Every rank connects to the store at ``master_addr:master_port``; rank 0
+    hosts it unless a launcher agent already does (``env.agent_store``). A
+    world of one uses an in-memory store and needs no port. The store also
+    serves the `Arrivals` checks of save, load and barrier, which give up
+    after ``arrival_timeout`` seconds.
+
+    Raises:
+        UsageError: ``env`` is not an `Env`, or the device is not available.
+        LaunchError: a multi-rank world without a port, a process group already
+            initialised, or a store that cannot be served or reached.
+    """
+
+    device: DeviceSpec = "auto"
+    backend: str | None = attrs.field(default=None, validator=_BACKEND)
+    timeout: timedelta = attrs.field(
+        default=timedelta(minutes=30), converter=_to_timedelta, validator=_positive_timeout
+    )
+    arrival_timeout: float = attrs.field(default=DEFAULT_TIMEOUT, converter=check_arrival_timeout)
+
+    def __call__(self, env: Env) -> Context:
+        check_env(env, "setup")
+        if env.world_size > 1 and env.master_port == 0:
+            # Port 0 would let rank 0's store pick any port, which the others cannot know.
+            raise LaunchError(
+                f"setup: a world of {env.world_size} needs a rendezvous port, but "
+                f"master_port is 0 ({env.source!r}); set MASTER_PORT, or launch with "
+                "ddp_spawn(), which picks one."
+            )
+        device = resolve_device(self.device, env.local_rank)
+        backend = self.backend or ("nccl" if device.type == "cuda" else "gloo")
+        if backend == "nccl" and (device.type != "cuda" or not dist.is_nccl_available()):
+            raise UsageError(
+                f"setup: backend 'nccl' runs on CUDA devices only, but this rank's device is "
+                f"{str(device)!r} (CUDA available: {torch.cuda.is_available()}, NCCL built: "
+                f"{dist.is_nccl_available()}); use backend=None (gloo on the CPU) or 'gloo'."
+            )
+        if dist.is_initialized():
+            raise LaunchError(
+                "setup: a default process group is already initialised in this process; "
+                "call torch.distributed.destroy_process_group() first, or let stratagem own it."
+            )
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        store: Store
+        if env.world_size == 1:
+            store = HashStore()
+        else:
+            hosting = env.rank == 0 and not env.agent_store
+            try:
+                store = TCPStore(
+                    env.master_addr,
+                    env.master_port,
+                    world_size=env.world_size,
+                    is_master=hosting,
+                    timeout=self.timeout,
+                    wait_for_workers=False,
+                )
+            except RuntimeError as error:  # DistNetworkError, DistStoreError
+                raise LaunchError(_store_failure(env, hosting, error)) from error
+        dist.init_process_group(
+            backend, store=store, rank=env.rank, world_size=env.world_size, timeout=self.timeout
+        )
+        # A torchrun agent's store outlives a restart: each attempt signs in under its own prefix.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        arrivals = Arrivals(PrefixStore(f"attempt_{attempt}", store), timeout=self.arrival_timeout)
+        return Context(env=env, device=device, group=dist.group.WORLD, arrivals=arrivals)
+
+
+def _store_failure(env: Env, hosting: bool, error: RuntimeError) -> str:
+    where = f"{env.master_addr}:{env.master_port}"
+    if hosting:
+        return (
+            f"setup: rank 0 could not serve the rendezvous store on port {env.master_port}: "
+            f"it is in use or not available ({error}). Set MASTER_PORT to a free port "
+            "(under SLURM the default port comes from the job id)."
+        )
+    return (
+        f"setup: rank {env.rank} could not reach the rendezvous store at {where} within "
+        f"the timeout ({error}); check MASTER_ADDR/MASTER_PORT and that rank 0 started."
+    )
+
+
+def leave_process_group(ctx: Context) -> None:
+    """Teardown field: destroy the process group once nothing uses it any more."""
+    check_context(ctx, "teardown")
+    # A DDP reducer still alive when a gloo group is destroyed can deadlock: collect first.
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
