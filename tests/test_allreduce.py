@@ -17,12 +17,8 @@ import torch
 import stratagem as sg
 from stratagem import training
 from stratagem.env import Context, Env
-from stratagem.strategies.allreduce import (
-    AllreduceThenStep,
-    _buckets,
-    average_gradients,
-    broadcast_module,
-)
+from stratagem.replicas import buckets as _buckets
+from stratagem.strategies.allreduce import AllreduceThenStep, average_gradients, broadcast_module
 
 STEPS = 5
 BATCH = 8

@@ -43,15 +43,13 @@ if _typing.TYPE_CHECKING:
     from stratagem.launching import Spawn as Spawn
     from stratagem.launching import launch as launch
     from stratagem.launching import spawned as spawned
+    from stratagem.replicas import broadcast_optimizer_state as broadcast_optimizer_state
     from stratagem.script import joined as joined
     from stratagem.sharding import ShardedLoader as ShardedLoader
     from stratagem.sharding import ShardSampler as ShardSampler
     from stratagem.sharding import StreamStride as StreamStride
     from stratagem.strategies.allreduce import allreduce_grads as allreduce_grads
     from stratagem.strategies.allreduce import allreduce_grads_spawn as allreduce_grads_spawn
-    from stratagem.strategies.allreduce import (
-        broadcast_optimizer_state as broadcast_optimizer_state,
-    )
     from stratagem.strategies.ddp import ddp as ddp
     from stratagem.strategies.ddp import ddp_spawn as ddp_spawn
     from stratagem.strategies.dp import dp as dp
@@ -105,7 +103,7 @@ _WHERE: dict[str, str] = {
     "spawned": "stratagem.launching",
     "allreduce_grads": "stratagem.strategies.allreduce",
     "allreduce_grads_spawn": "stratagem.strategies.allreduce",
-    "broadcast_optimizer_state": "stratagem.strategies.allreduce",
+    "broadcast_optimizer_state": "stratagem.replicas",
     "ddp": "stratagem.strategies.ddp",
     "ddp_spawn": "stratagem.strategies.ddp",
     "dp": "stratagem.strategies.dp",

@@ -68,7 +68,8 @@ def _check_op(op: object) -> ReduceOp:
     return op
 
 
-def _distributed(ctx: Context) -> bool:
+def is_distributed(ctx: Context) -> bool:
+    """Whether ``ctx`` is a world of several ranks with a process group."""
     return ctx.group is not None and ctx.world_size > 1
 
 
@@ -109,7 +110,7 @@ def reduce(tensor: torch.Tensor, op: ReduceOp, ctx: Context) -> torch.Tensor:
             f"reduce: 'mean' of a {tensor.dtype} tensor has no exact {tensor.dtype} result; "
             "cast to a floating dtype first (tensor.float()), or use 'sum' and divide."
         )
-    if not _distributed(ctx):
+    if not is_distributed(ctx):
         return tensor.clone()
     result = _to_wire(tensor)
     dist.all_reduce(result, op=_TORCH_OPS[op], group=ctx.group)
@@ -145,7 +146,7 @@ def gather(tensor: torch.Tensor, ctx: Context) -> torch.Tensor:
     """
     tensor = _check_tensor(tensor, "gather")
     check_context(ctx, "gather")
-    if not _distributed(ctx):
+    if not is_distributed(ctx):
         return tensor.unsqueeze(0).clone()
     if tensor.dtype not in _DTYPES:
         raise UsageError(f"gather: dtype {tensor.dtype} is not supported by gather.")
@@ -188,7 +189,7 @@ def broadcast(obj: Any, ctx: Context, *, src: int = 0) -> Any:
         raise UsageError(
             f"broadcast: 'src' must be a rank in [0, {ctx.world_size}) (got {describe(src)})."
         )
-    if not _distributed(ctx):
+    if not is_distributed(ctx):
         return obj.clone() if isinstance(obj, torch.Tensor) else obj
     # One pickled message says what is coming: the object itself, or a tensor's shape and dtype.
     header: list[Any] = [None]
@@ -217,7 +218,7 @@ def expect_everyone(ctx: Context, what: str, *, series: str = "") -> None:
     Raises:
         CollectiveCallError: some ranks did not arrive in time (`NOT_CALLED_BY_ALL`).
     """
-    if ctx.arrivals is not None and _distributed(ctx):
+    if ctx.arrivals is not None and is_distributed(ctx):
         arrive(ctx.arrivals, what, ctx.rank, ctx.world_size, series=series)
 
 
@@ -228,6 +229,6 @@ def barrier(ctx: Context) -> None:
         UsageError: ``ctx`` is not a `Context`.
         CollectiveCallError: some ranks did not call it within ``ctx.arrivals.timeout``.
     """
-    if _distributed(check_context(ctx, "barrier")):
+    if is_distributed(check_context(ctx, "barrier")):
         expect_everyone(ctx, "barrier")
         dist.barrier(group=ctx.group)

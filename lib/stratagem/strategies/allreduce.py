@@ -15,7 +15,6 @@ functions.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -23,21 +22,24 @@ import attrs
 import torch
 import torch.distributed as dist
 
-# What torch._utils._flatten_dense_tensors calls, typed: flattening in C++, no Python call per
-# tensor. A bucket of one tensor flattens to a view of it, which is harmless here: every flat
-# buffer is written back into its tensors anyway.
-from torch._C._nn import flatten_dense_tensors as _flatten
-from torch._C._nn import unflatten_dense_tensors as _unflatten
-
-from stratagem import collectives, training
+from stratagem import training
 from stratagem.arrivals import DEFAULT_TIMEOUT
 from stratagem.devices import DeviceSpec
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
 from stratagem.launching import Spawn, spawned
+from stratagem.replicas import (
+    MB,
+    broadcast_optimizer_state,
+    broadcast_tensors,
+    buckets,
+    check_same_layout,
+    flatten,
+    is_distributed,
+    unflatten,
+)
 from stratagem.strategies.ddp import ddp
 from stratagem.strategy import Strategy
-from stratagem.trees import leaves_in, map_leaves, map_tensors
 
 __all__ = [
     "COMPRESSIONS",
@@ -55,71 +57,7 @@ Compression = Literal["bf16", "fp16"]
 COMPRESSIONS: tuple[Compression, ...] = ("bf16", "fp16")
 _WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
-_MB = 1024 * 1024  # MiB, as DistributedDataParallel's bucket_cap_mb
 # Broadcasts happen once (wrap, a load): buckets as large as DDP's for its initial sync.
-_BROADCAST_BUCKET_BYTES = 250 * _MB
-
-
-def _distributed(ctx: Context) -> bool:
-    return ctx.group is not None and ctx.world_size > 1
-
-
-def _buckets(tensors: Sequence[torch.Tensor], cap_bytes: float) -> list[list[int]]:
-    """Group indices of ``tensors`` by device and dtype, in order, into runs of ``cap_bytes``.
-
-    The plan depends only on shapes and dtypes, so every rank makes the same
-    one. A tensor larger than the cap travels alone.
-    """
-    done: list[list[int]] = []
-    filling: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[int]]] = {}
-    for index, tensor in enumerate(tensors):
-        size = tensor.nbytes
-        members, filled = filling.setdefault((tensor.device, tensor.dtype), ([], [0]))
-        if members and filled[0] + size > cap_bytes:
-            done.append(members.copy())
-            members.clear()
-            filled[0] = 0
-        members.append(index)
-        filled[0] += size
-    return done + [members for members, _ in filling.values()]
-
-
-def _broadcast_(tensors: Sequence[torch.Tensor], ctx: Context, src: int) -> None:
-    """Overwrite ``tensors`` with rank ``src``'s values, one broadcast per bucket."""
-    with torch.no_grad():
-        for bucket in _buckets(tensors, _BROADCAST_BUCKET_BYTES):
-            members = [tensors[i] for i in bucket]
-            flat = _flatten(members)
-            # As bytes: a copy needs no arithmetic, and gloo lacks some dtypes (bool, int16).
-            dist.broadcast(flat.view(torch.uint8), src=src, group=ctx.group)
-            if ctx.rank != src:
-                torch._foreach_copy_(members, _unflatten(flat, members))
-
-
-def _layout(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:
-    named = [*module.named_parameters(), *module.named_buffers()]
-    return [(name, tuple(t.shape), str(t.dtype), t.requires_grad) for name, t in named]
-
-
-def check_same_layout(module: torch.nn.Module, ctx: Context) -> None:
-    """Fail on every rank, instead of hanging, if ranks hold differently shaped modules.
-
-    Raises:
-        UsageError: some rank's parameters or buffers differ in name, shape,
-            dtype or ``requires_grad`` from rank 0's (raised on every rank).
-    """
-    mine = _layout(module)
-    reference = collectives.broadcast(mine, ctx, src=0)
-    flag = torch.tensor(int(mine != reference), device=ctx.device)
-    differing = [r for r, bad in enumerate(collectives.gather(flag, ctx).tolist()) if bad]
-    if differing:
-        pairs = zip([*mine, None], [*reference, None], strict=False)
-        here = next((f"{a} vs rank 0's {b}" for a, b in pairs if a != b), "none")
-        raise UsageError(
-            f"wrap: rank(s) {differing} hold a module whose parameters and buffers differ from "
-            f"rank 0's (first difference on rank {ctx.rank}: {here}, as (name, shape, dtype, "
-            "requires_grad)); build the same model on every rank before wrap."
-        )
 
 
 def broadcast_module(module: torch.nn.Module, ctx: Context) -> torch.nn.Module:
@@ -134,9 +72,9 @@ def broadcast_module(module: torch.nn.Module, ctx: Context) -> torch.nn.Module:
             (raised on every rank).
     """
     module = training.to_device(module, ctx)
-    if _distributed(ctx):
+    if is_distributed(ctx):
         check_same_layout(module, ctx)
-        _broadcast_([*module.parameters(), *module.buffers()], ctx, src=0)
+        broadcast_tensors([*module.parameters(), *module.buffers()], ctx, src=0)
     return module
 
 
@@ -166,7 +104,7 @@ def average_gradients(
         UsageError: ``module`` is not a module, or a gradient is sparse.
     """
     training.check_module(module, "update")
-    if not _distributed(check_context(ctx, "update")):
+    if not is_distributed(check_context(ctx, "update")):
         return
     params = [p for p in module.parameters() if p.requires_grad]
     if not params:
@@ -192,9 +130,9 @@ def average_gradients(
     wire = None if compression is None else _WIRE_DTYPES[compression]
     pending = []
     with torch.no_grad():
-        for bucket in _buckets(grads, bucket_mb * _MB):
+        for bucket in buckets(grads, bucket_mb * MB):
             members = [grads[i] for i in bucket]
-            flat = _flatten(members)
+            flat = flatten(members)
             # Divide first, as DDP's default hook does: a 16-bit sum then overflows only where
             # the mean itself would.
             flat.div_(ctx.world_size)
@@ -206,7 +144,7 @@ def average_gradients(
             work.wait()
             if sent is not flat:
                 flat.copy_(sent)
-            torch._foreach_copy_(members, _unflatten(flat, members))
+            torch._foreach_copy_(members, unflatten(flat, members))
     present_work.wait()
     anywhere = present.tolist()
     for index in missing:
@@ -306,64 +244,3 @@ def allreduce_grads_spawn(*, start: Spawn | None = None, **options: Any) -> Stra
         True
     """
     return spawned(allreduce_grads(**options), start)
-
-
-@attrs.frozen
-class _Hole:
-    """Where a tensor of the optimizer state was, in the structure that travels pickled."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    on_cpu: bool
-
-
-def broadcast_optimizer_state(
-    optimizer: torch.optim.Optimizer, ctx: Context, *, src: int = 0
-) -> None:
-    """Give every rank rank ``src``'s optimizer state, e.g. after only that rank loaded it.
-
-    Horovod's ``broadcast_optimizer_state``: the structure travels pickled, the
-    tensors in bucketed broadcasts through this rank's device. A tensor rank
-    ``src`` kept on the CPU (Adam's ``step``) stays on the CPU; the others land
-    on this rank's device, and ``load_state_dict`` places them as the
-    optimizer wants.
-
-    Args:
-        optimizer: the same optimizer class over the same parameters on every rank.
-        ctx: the joined world; on a world of one nothing happens.
-        src: the rank whose state wins.
-
-    Raises:
-        UsageError: ``optimizer`` is not an optimizer, ``ctx`` not a `Context`,
-            or ``src`` not a rank of this world.
-    """
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise UsageError(
-            f"broadcast_optimizer_state: 'optimizer' must be a torch.optim.Optimizer (got "
-            f"{describe(optimizer)})."
-        )
-    check_context(ctx, "broadcast_optimizer_state")
-    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < ctx.world_size:
-        raise UsageError(
-            f"broadcast_optimizer_state: 'src' must be a rank in [0, {ctx.world_size}) "
-            f"(got {describe(src)})."
-        )
-    if not _distributed(ctx):
-        return
-    tensors: list[torch.Tensor] = []
-
-    def hole(tensor: torch.Tensor) -> _Hole:
-        tensors.append(tensor.detach().to(ctx.device))
-        return _Hole(tuple(tensor.shape), tensor.dtype, tensor.device.type == "cpu")
-
-    # The tensors and their holes are matched by the walk's fixed order, the same on every rank.
-    skeleton = map_tensors(hole, optimizer.state_dict()) if ctx.rank == src else None
-    skeleton = collectives.broadcast(skeleton, ctx, src=src)
-    holes = list(leaves_in(skeleton, _Hole))
-    if ctx.rank == src:
-        _broadcast_(tensors, ctx, src)  # sends; its own state is already in place
-        return
-    tensors = [torch.empty(h.shape, dtype=h.dtype, device=ctx.device) for h in holes]
-    _broadcast_(tensors, ctx, src)
-    arrived = iter(t.cpu() if h.on_cpu else t for t, h in zip(tensors, holes, strict=True))
-    optimizer.load_state_dict(map_leaves(lambda _: next(arrived), skeleton, _Hole))

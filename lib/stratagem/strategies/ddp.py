@@ -14,7 +14,6 @@ from typing import Any
 
 import attrs
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from stratagem import checkpoint, collectives, training
@@ -24,6 +23,7 @@ from stratagem.env import Context, check_context
 from stratagem.errors import UsageError
 from stratagem.launching import Spawn, in_place, spawned
 from stratagem.process_group import JoinProcessGroup, leave_process_group
+from stratagem.replicas import broadcast_tensors
 from stratagem.sharding import shard_loader
 from stratagem.strategy import Strategy
 from stratagem.validators import a_bool, positive_number
@@ -76,7 +76,7 @@ class WrapDDP:
             options["broadcast_buffers"] = False
             # DDP then skips buffers at construction too; every rank still starts from rank
             # 0's, as its parameters do (and as fsdp() and allreduce_grads() start).
-            _broadcast_buffers(module, ctx)
+            broadcast_tensors(list(module.buffers()), ctx, src=0)
         with warnings.catch_warnings():
             # torch 2.13 deprecates broadcast_buffers for forward_sync_buffers, which still
             # syncs at init; the old flag keeps its documented meaning on every supported torch.
@@ -87,13 +87,6 @@ class WrapDDP:
                 process_group=ctx.group,
                 **options,
             )
-
-
-def _broadcast_buffers(module: torch.nn.Module, ctx: Context) -> None:
-    if ctx.world_size > 1:
-        with torch.no_grad():
-            for buffer in module.buffers():
-                dist.broadcast(buffer, src=0, group=ctx.group)
 
 
 def ddp_no_sync(module: torch.nn.Module, ctx: Context) -> AbstractContextManager[Any]:

@@ -31,7 +31,7 @@ from stratagem.errors import UsageError, describe
 from stratagem.fields import SetupFn
 from stratagem.launching import Spawn, spawned
 from stratagem.process_group import JoinProcessGroup
-from stratagem.strategies.allreduce import check_same_layout
+from stratagem.replicas import check_same_layout, is_distributed
 from stratagem.strategies.ddp import ddp
 from stratagem.strategies.shard_policies import (
     AboveParameters,
@@ -265,7 +265,7 @@ def _copy_rank_zeros_states(module: torch.nn.Module, ctx: Context) -> None:
     module on the meta device (initialised after sharding) is left as it is;
     ranks must agree on that.
     """
-    if ctx.group is None or ctx.world_size == 1:
+    if not is_distributed(ctx):
         return
     import torch.distributed as dist
 
