@@ -197,3 +197,17 @@ def no_sync(module: torch.nn.Module, ctx: Context) -> contextlib.AbstractContext
     check_module(module, "no_sync")
     check_context(ctx, "no_sync")
     return contextlib.nullcontext()
+
+
+def clip_norm_(parameters: list[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
+    """Scale the gradients of ``parameters`` to a total norm of at most ``max_norm``.
+
+    The one norm clipper: `with_clipping` and `clip_grad_norm` both call it.
+    On sharded (DTensor) gradients the norm is the global one, over every shard.
+
+    Returns:
+        The total norm before clipping, a plain tensor, the same on every rank.
+    """
+    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+    full = getattr(norm, "full_tensor", None)  # a DTensor norm of sharded gradients
+    return full() if callable(full) else norm

@@ -21,7 +21,7 @@ from stratagem.env import Context, Env, check_context
 from stratagem.errors import UsageError, describe
 from stratagem.fields import SetupFn, UpdateFn
 from stratagem.strategy import Strategy
-from stratagem.training import check_optimizer
+from stratagem.training import check_optimizer, clip_norm_
 
 __all__ = ["ClipState", "with_clipping"]
 
@@ -82,14 +82,10 @@ class ClipUpdate:
                 precision.unscale(optimizer)  # clip what the optimizer will see, not scaled values
             parameters = _parameters(optimizer, module)
             if self.max_norm is not None:
-                # DTensor-aware: on sharded (FSDP) gradients the norm is the global one.
-                norm = torch.nn.utils.clip_grad_norm_(
-                    parameters, self.max_norm, norm_type=self.norm_type
-                )
+                norm = clip_norm_(parameters, self.max_norm, self.norm_type)
                 state = ctx.extras.get("clipping")
                 if isinstance(state, ClipState):
-                    full = getattr(norm, "full_tensor", None)
-                    state.last_norm = float(full() if callable(full) else norm)
+                    state.last_norm = float(norm)
             if self.max_value is not None:
                 torch.nn.utils.clip_grad_value_(parameters, self.max_value)
             return step()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from datetime import timedelta
@@ -389,16 +388,7 @@ def clip_grad_norm(
             f"clip_grad_norm: 'norm_type' must be a positive number, float('inf') for the "
             f"largest entry (got {describe(norm_type)})."
         )
-    params = [p for p in module.parameters() if p.grad is not None]
-    grads = [p.grad for p in params if p.grad is not None]  # the test again, for the type checker
-    total = torch.nn.utils.get_total_norm(grads, norm_type)
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    if "torch.distributed.tensor" in sys.modules:  # DTensor grads mean it is imported
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(total, DTensor):
-            return total.full_tensor()
-    return total
+    return training.clip_norm_(list(module.parameters()), max_norm, norm_type)
 
 
 def fsdp(
