@@ -53,14 +53,14 @@ if _typing.TYPE_CHECKING:
     from stratagem.strategies.ddp import ddp as ddp
     from stratagem.strategies.ddp import ddp_spawn as ddp_spawn
     from stratagem.strategies.dp import dp as dp
-    from stratagem.strategies.fsdp import clip_grad_norm as clip_grad_norm
     from stratagem.strategies.fsdp import fsdp as fsdp
     from stratagem.strategies.fsdp import fsdp_spawn as fsdp_spawn
-    from stratagem.strategies.shard_policies import above_parameters as above_parameters
-    from stratagem.strategies.shard_policies import every_module_of as every_module_of
+    from stratagem.strategies.fsdp_units import above_parameters as above_parameters
+    from stratagem.strategies.fsdp_units import every_module_of as every_module_of
     from stratagem.strategies.single import single_device as single_device
     from stratagem.strategy import Strategy as Strategy
     from stratagem.strategy import StrategyLike as StrategyLike
+    from stratagem.training import clip_grad_norm as clip_grad_norm
     from stratagem.training import move_to_device as move_to_device
 
 __version__ = "0.1.0"
@@ -107,9 +107,9 @@ _WHERE: dict[str, str] = {
     "ddp": "stratagem.strategies.ddp",
     "ddp_spawn": "stratagem.strategies.ddp",
     "dp": "stratagem.strategies.dp",
-    "above_parameters": "stratagem.strategies.shard_policies",
-    "clip_grad_norm": "stratagem.strategies.fsdp",
-    "every_module_of": "stratagem.strategies.shard_policies",
+    "above_parameters": "stratagem.strategies.fsdp_units",
+    "clip_grad_norm": "stratagem.training",
+    "every_module_of": "stratagem.strategies.fsdp_units",
     "fsdp": "stratagem.strategies.fsdp",
     "fsdp_spawn": "stratagem.strategies.fsdp",
     "single_device": "stratagem.strategies.single",

@@ -211,3 +211,37 @@ def clip_norm_(parameters: list[torch.Tensor], max_norm: float, norm_type: float
     norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
     full = getattr(norm, "full_tensor", None)  # a DTensor norm of sharded gradients
     return full() if callable(full) else norm
+
+
+def clip_grad_norm(
+    module: torch.nn.Module, max_norm: float, *, norm_type: float = 2.0
+) -> torch.Tensor:
+    """Scale ``module``'s gradients so that their total norm is at most ``max_norm``.
+
+    Works on sharded (DTensor) gradients, computing the norm over every
+    shard, and on plain ones, so one call serves every strategy. Gradients
+    must all live on one mesh (as ``fsdp()`` puts them).
+
+    Args:
+        module: the wrapped module, after ``backward``.
+        max_norm: the largest total norm allowed.
+        norm_type: the p of the p-norm (``float("inf")`` for the largest entry).
+
+    Returns:
+        The total norm before clipping, a plain tensor, the same on every rank.
+
+    Raises:
+        UsageError: ``module`` is not a module, or ``max_norm`` or ``norm_type``
+            is not a positive number.
+    """
+    check_module(module, "clip_grad_norm")
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+        raise UsageError(
+            f"clip_grad_norm: 'max_norm' must be a positive number (got {describe(max_norm)})."
+        )
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
+        raise UsageError(
+            f"clip_grad_norm: 'norm_type' must be a positive number, float('inf') for the "
+            f"largest entry (got {describe(norm_type)})."
+        )
+    return clip_norm_(list(module.parameters()), max_norm, norm_type)

@@ -19,7 +19,7 @@ from stratagem.combinators._base import (
 from stratagem.env import Context, Env, check_context
 from stratagem.errors import UsageError, describe
 from stratagem.fields import BackwardFn, ForwardFn, SetupFn, StepFn, UpdateFn, WrapFn
-from stratagem.strategies.fsdp import WrapFSDP
+from stratagem.strategies.fsdp_units import WrapFSDP
 from stratagem.strategy import Strategy
 from stratagem.training import check_loss, check_optimizer, move_batch
 from stratagem.trees import map_tensors

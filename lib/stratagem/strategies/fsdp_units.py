@@ -1,0 +1,309 @@
+"""FSDP units: which submodules ``fsdp()`` shards as groups of their own, and the wrap that does it.
+
+A shard policy is a plain function ``shard_when(module) -> bool``; any
+callable with that signature is one, and `every_module_of` and
+`above_parameters` are the ready-made ones, as frozen attrs callables so that a
+strategy holding them pickles to spawned ranks and prints readably. `WrapFSDP`
+applies ``fully_shard`` bottom-up where the policy says, then to the root.
+(Not to be confused with `stratagem.sharding`, which splits data loaders.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Protocol
+
+import attrs
+import torch
+
+from stratagem.env import Context, check_context
+from stratagem.errors import UsageError, describe
+from stratagem.replicas import check_same_layout, is_distributed
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+__all__ = [
+    "AboveParameters",
+    "EveryModuleOf",
+    "ShardPolicy",
+    "WrapFSDP",
+    "above_parameters",
+    "every_module_of",
+    "is_sharded",
+]
+
+
+class ShardPolicy(Protocol):
+    """Which submodules get their own ``fully_shard`` group."""
+
+    def __call__(self, module: torch.nn.Module, /) -> bool:
+        """Return whether to shard ``module`` (its sharded descendants are already sharded)."""
+        ...
+
+
+def _module_types(
+    instance: object, attribute: attrs.Attribute[tuple[type, ...]], value: tuple[object, ...]
+) -> None:
+    bad = [t for t in value if not (isinstance(t, type) and issubclass(t, torch.nn.Module))]
+    if not value or bad:
+        shown = describe(bad[0]) if bad else "nothing"
+        raise UsageError(
+            f"every_module_of: pass one or more torch.nn.Module subclasses (got {shown}), "
+            "e.g. every_module_of(torch.nn.TransformerEncoderLayer)."
+        )
+
+
+@attrs.frozen(repr=False)
+class EveryModuleOf:
+    """Shard policy: shard every module that is an instance of one of ``types``."""
+
+    types: tuple[type[torch.nn.Module], ...] = attrs.field(validator=_module_types)
+
+    def __call__(self, module: torch.nn.Module) -> bool:
+        return isinstance(module, self.types)
+
+    def __repr__(self) -> str:
+        return f"every_module_of({', '.join(t.__qualname__ for t in self.types)})"
+
+
+def every_module_of(*types: type[torch.nn.Module]) -> EveryModuleOf:
+    """Return a policy that shards every module of the given types (a transformer's blocks).
+
+    Raises:
+        UsageError: no types, or one is not a ``torch.nn.Module`` subclass.
+
+    Example:
+        >>> policy = every_module_of(torch.nn.Linear)
+        >>> policy(torch.nn.Linear(2, 2)), policy(torch.nn.ReLU())
+        (True, False)
+    """
+    return EveryModuleOf(types)
+
+
+def _count(instance: object, attribute: attrs.Attribute[int], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise UsageError(
+            f"above_parameters: 'count' must be a non-negative int (got {describe(value)})."
+        )
+
+
+def _unsharded_numel(module: torch.nn.Module) -> int:
+    """Parameter elements of ``module`` that no sharded descendant already holds."""
+    seen: set[int] = set()
+    total, stack = 0, [module]
+    while stack:
+        current = stack.pop()
+        for parameter in current.parameters(recurse=False):
+            if id(parameter) not in seen:  # a shared parameter counts once
+                seen.add(id(parameter))
+                total += parameter.numel()
+        stack.extend(child for child in current.children() if not is_sharded(child))
+    return total
+
+
+@attrs.frozen
+class AboveParameters:
+    """Shard policy: shard a module holding more than ``count`` parameter elements.
+
+    Elements already held by a sharded descendant do not count, as in FSDP1's
+    size-based policy, so parents of sharded blocks stay in the root's group.
+    """
+
+    count: int = attrs.field(validator=_count)
+
+    def __call__(self, module: torch.nn.Module) -> bool:
+        return _unsharded_numel(module) > self.count
+
+    def __repr__(self) -> str:
+        return f"above_parameters({self.count})"
+
+
+def above_parameters(count: int) -> AboveParameters:
+    """Return a policy that shards modules with more than ``count`` unsharded parameter elements.
+
+    Raises:
+        UsageError: ``count`` is not a non-negative int.
+
+    Example:
+        >>> policy = above_parameters(100)
+        >>> policy(torch.nn.Linear(10, 10)), policy(torch.nn.Linear(9, 9))  # 110 and 90 elements
+        (True, False)
+    """
+    return AboveParameters(count)
+
+
+def is_sharded(module: torch.nn.Module) -> bool:
+    fsdp_module = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing is sharded
+    return fsdp_module is not None and isinstance(module, fsdp_module.FSDPModule)
+
+
+# --- the wrap field: fully_shard bottom-up, as the policy says ---------------------------------
+
+
+def _policy(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and not callable(value):
+        raise UsageError(
+            f"'shard_when' must be None (shard the root only) or a function module -> bool, "
+            f"e.g. every_module_of(MyBlock) or above_parameters(10**6) (got {describe(value)})."
+        )
+
+
+def _reshard(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is None or isinstance(value, bool):
+        return
+    if not isinstance(value, int) or value < 2:
+        raise UsageError(
+            f"'reshard_after_forward' must be None, True, False or a shard group size of at "
+            f"least 2 (got {describe(value)})."
+        )
+
+
+def _mp_policy(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is None:
+        return
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if not isinstance(value, MixedPrecisionPolicy):
+        raise UsageError(
+            f"'mp_policy' must be None or a torch.distributed.fsdp.MixedPrecisionPolicy "
+            f"(got {describe(value)}), e.g. MixedPrecisionPolicy(param_dtype=torch.bfloat16)."
+        )
+
+
+def _flag(instance: object, attribute: attrs.Attribute[bool], value: object) -> None:
+    if not isinstance(value, bool):
+        raise UsageError(f"'{attribute.name}' must be True or False (got {describe(value)}).")
+
+
+def _bottom_up(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Yield the descendants of ``module`` children first, each once, skipping sharded subtrees."""
+    seen: set[int] = set()
+
+    def visit(current: torch.nn.Module) -> Iterator[torch.nn.Module]:
+        for child in current.children():
+            if id(child) in seen or is_sharded(child):
+                continue
+            seen.add(id(child))
+            yield from visit(child)
+            yield child
+
+    return visit(module)
+
+
+def _has_forward(module: torch.nn.Module) -> bool:
+    # fully_shard hooks forward; containers without one (ModuleList, ModuleDict) never run it.
+    return type(module).forward is not torch.nn.Module.forward
+
+
+@attrs.frozen(kw_only=True)
+class WrapFSDP:
+    """Wrap field: ``fully_shard`` the submodules ``shard_when`` picks, bottom-up, then the root.
+
+    Under a low-precision ``mp_policy``, every BatchNorm is a group of its own
+    with ``param_dtype=float32`` (its statistics are float32, and batch_norm
+    takes no bfloat16 weight beside them). The module is sharded in place on
+    ``ctx.extras["mesh"]`` and returned;
+    ``fully_shard`` moves its parameters to the mesh's device. With
+    ``sync_module_states`` (the default), rank 0's parameters and buffers are
+    first copied to every rank, as ``ddp()`` does, so ranks seeded differently
+    start from one model; a module on the meta device (initialised later) is
+    not copied.
+    """
+
+    shard_when: ShardPolicy | None = attrs.field(default=None, validator=_policy)
+    reshard_after_forward: bool | int | None = attrs.field(default=None, validator=_reshard)
+    mp_policy: MixedPrecisionPolicy | None = attrs.field(default=None, validator=_mp_policy)
+    sync_module_states: bool = attrs.field(default=True, validator=_flag)
+
+    def __call__(self, module: torch.nn.Module, ctx: Context) -> torch.nn.Module:
+        from torch.distributed.fsdp import fully_shard
+
+        if not isinstance(module, torch.nn.Module):
+            raise UsageError(f"wrap: 'module' must be a torch.nn.Module (got {describe(module)}).")
+        if is_sharded(module):
+            raise UsageError(
+                f"wrap: {type(module).__name__} is already sharded; wrap the plain module once."
+            )
+        mesh = check_context(ctx, "wrap").extras.get("mesh")
+        if mesh is None:
+            raise UsageError(
+                "wrap: ctx.extras has no 'mesh'; pass the Context that fsdp().setup returned, "
+                "or add one: ctx.with_extras(mesh=device_mesh(ctx))."
+            )
+        if self.sync_module_states:
+            # Shards of different initialisations would stitch together a model no rank built.
+            _copy_rank_zeros_states(module, ctx)
+        options: dict[str, Any] = {"mesh": mesh}
+        if self.reshard_after_forward is not None:  # None: torch's default for root and children
+            options["reshard_after_forward"] = self.reshard_after_forward
+        if self.mp_policy is not None:
+            options["mp_policy"] = self.mp_policy
+        policy = self.mp_policy
+        if policy is not None and policy.param_dtype not in (None, torch.float32):
+            # BatchNorm keeps float32 statistics, which batch_norm does not mix with a
+            # low-precision weight: each one is a group of its own, computed in float32.
+            exact = dataclasses.replace(policy, param_dtype=torch.float32)
+            for norm in [m for m in _bottom_up(module) if isinstance(m, _BATCH_NORMS)]:
+                fully_shard(norm, **{**options, "mp_policy": exact})
+        if self.shard_when is not None:
+            # Post-order: a policy sees a module after its chosen descendants are sharded.
+            for child in [m for m in _bottom_up(module) if _has_forward(m)]:
+                if _decide(self.shard_when, child):
+                    fully_shard(child, **options)
+        fully_shard(module, **options)
+        return module
+
+
+def _copy_rank_zeros_states(module: torch.nn.Module, ctx: Context) -> None:
+    """Overwrite every rank's parameters and buffers with rank 0's, one tensor at a time.
+
+    Nothing is moved for good: a tensor on the CPU travels through the device
+    and comes back, so the unsharded model never sits whole on the device. A
+    module on the meta device (initialised after sharding) is left as it is;
+    ranks must agree on that.
+    """
+    if not is_distributed(ctx):
+        return
+    import torch.distributed as dist
+
+    tensors = [*module.parameters(), *module.buffers()]
+    meta = torch.tensor([int(any(t.is_meta for t in tensors))], device=ctx.device)
+    agreed = [torch.zeros_like(meta) for _ in range(ctx.world_size)]
+    dist.all_gather(agreed, meta, group=ctx.group)
+    on_meta = [rank for rank, flag in enumerate(agreed) if int(flag)]
+    if on_meta and len(on_meta) < ctx.world_size:
+        raise UsageError(
+            f"wrap: rank(s) {on_meta} hold the module on the meta device and the others do "
+            "not; build it the same way on every rank (all on meta, then initialise after "
+            "wrap, or all real: fsdp() copies rank 0's weights to the others)."
+        )
+    if on_meta:
+        return
+    check_same_layout(module, ctx)
+    with torch.no_grad():
+        for tensor in tensors:
+            travelling = tensor.detach().to(ctx.device)
+            dist.broadcast(travelling, src=0, group=ctx.group)
+            if ctx.rank != 0:
+                tensor.copy_(travelling)
+
+
+_BATCH_NORMS = (
+    torch.nn.BatchNorm1d,
+    torch.nn.BatchNorm2d,
+    torch.nn.BatchNorm3d,
+    torch.nn.SyncBatchNorm,
+)
+
+
+def _decide(policy: ShardPolicy, module: torch.nn.Module) -> bool:
+    decision = policy(module)
+    if not isinstance(decision, bool):
+        raise UsageError(
+            f"wrap: shard_when {policy!r} must return True or False, but returned "
+            f"{describe(decision)} for a {type(module).__name__}."
+        )
+    return decision
