@@ -28,7 +28,7 @@ from stratagem.errors import LaunchError, UsageError, describe
 from stratagem.launching import MAX_SECONDS
 from stratagem.validators import choice
 
-__all__ = ["BACKENDS", "JoinProcessGroup", "leave_process_group"]
+__all__ = ["BACKENDS", "JoinProcessGroup", "leave", "leave_process_group"]
 
 BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
 
@@ -157,3 +157,12 @@ def leave_process_group(ctx: Context) -> None:
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def leave(ctx: Context) -> None:
+    """Teardown field of a world with nothing to release.
+
+    Raises:
+        UsageError: ``ctx`` is not a `Context` (as on N ranks).
+    """
+    check_context(ctx, "teardown")

@@ -21,7 +21,14 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
 
-__all__ = ["ShardSampler", "ShardedLoader", "StreamStride", "check_not_empty", "shard_loader"]
+__all__ = [
+    "ShardSampler",
+    "ShardedLoader",
+    "StreamStride",
+    "check_not_empty",
+    "keep_loader",
+    "shard_loader",
+]
 
 T = TypeVar("T")
 
@@ -446,3 +453,19 @@ def shard_loader(loader: Iterable[T], ctx: Context) -> Iterable[T]:
             "for it; use fewer ranks or more data."
         )
     return ShardedLoader(loader=_rebuild(loader, sampler), sampler=sampler)
+
+
+def keep_loader(loader: Iterable[T], ctx: Context) -> Iterable[T]:
+    """Shard field of a world of one: the whole loader is this rank's share.
+
+    Raises:
+        UsageError: ``loader`` is not iterable, is a DataLoader over an empty
+            dataset (as on N ranks), or ``ctx`` is not a `Context`.
+    """
+    check_context(ctx, "shard")
+    if not (hasattr(loader, "__iter__") or hasattr(loader, "__getitem__")):
+        raise UsageError(
+            f"shard: 'loader' must be iterable, e.g. a torch DataLoader (got {describe(loader)})."
+        )
+    check_not_empty(loader)
+    return loader

@@ -22,12 +22,13 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from stratagem import training
+from stratagem import checkpoint, collectives, training
 from stratagem.arrivals import DEFAULT_TIMEOUT
-from stratagem.devices import DeviceSpec
+from stratagem.devices import DeviceSpec, check_device_spec
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
-from stratagem.launching import Spawn, spawned
+from stratagem.launching import Spawn, in_place, spawned
+from stratagem.process_group import JoinProcessGroup, leave_process_group
 from stratagem.replicas import (
     MB,
     broadcast_optimizer_state,
@@ -38,7 +39,7 @@ from stratagem.replicas import (
     is_distributed,
     unflatten,
 )
-from stratagem.strategies.ddp import ddp
+from stratagem.sharding import shard_loader
 from stratagem.strategy import Strategy
 
 __all__ = [
@@ -199,8 +200,8 @@ def allreduce_grads(
 ) -> Strategy:
     """Train the Horovod way: no wrapper, gradients all-reduced in buckets just before the step.
 
-    It is `ddp` with ``wrap``, ``step``, ``no_sync`` and ``update`` substituted
-    (``step`` by the same plain ``training.step``: neither needs a step of its
+    Its record differs from `ddp`'s in ``wrap``, ``no_sync`` and ``update``
+    (``step`` is the same plain ``training.step``: neither needs a step of its
     own). DDP overlaps communication with backward; this strategy
     communicates after it, in fewer, larger calls, and can halve the bytes
     with ``compression``. It runs in place, in ranks that torchrun or SLURM
@@ -225,13 +226,28 @@ def allreduce_grads(
         >>> sg.allreduce_grads(bucket_mb=4, compression="bf16").update
         AllreduceThenStep(bucket_mb=4, compression='bf16')
     """
-    return attrs.evolve(
-        ddp(device=device, backend=backend, timeout=timeout, arrival_timeout=arrival_timeout),
+    return Strategy(
         name="allreduce_grads",
+        launch=in_place,
+        setup=JoinProcessGroup(
+            device=check_device_spec(device),
+            backend=backend,
+            timeout=timeout,
+            arrival_timeout=arrival_timeout,
+        ),
         wrap=broadcast_module,
         step=training.step,
-        no_sync=training.no_sync,
+        backward=training.backward,
         update=AllreduceThenStep(bucket_mb=bucket_mb, compression=compression),
+        no_sync=training.no_sync,
+        reduce=collectives.reduce,
+        gather=collectives.gather,
+        broadcast=collectives.broadcast,
+        barrier=collectives.barrier,
+        shard=shard_loader,
+        save=checkpoint.save,
+        load=checkpoint.load,
+        teardown=leave_process_group,
     )
 
 

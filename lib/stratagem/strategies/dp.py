@@ -15,10 +15,12 @@ import attrs
 import torch
 from torch.nn.parallel import DataParallel
 
-from stratagem import training
+from stratagem import checkpoint, collectives, training
 from stratagem.env import Context, Env, check_env
 from stratagem.errors import LaunchError, UsageError, describe
-from stratagem.strategies.single import single_device
+from stratagem.launching import in_place
+from stratagem.process_group import leave
+from stratagem.sharding import keep_loader
 from stratagem.strategy import Strategy
 
 __all__ = ["UseDataParallelDevices", "WrapDataParallel", "dp"]
@@ -116,9 +118,21 @@ def dp(*, device_ids: Sequence[int] | None = None) -> Strategy:
     """
     ids = _device_ids(device_ids)
     # Replicas' gradients are summed in backward: no_sync has nothing to defer, as on one device.
-    return attrs.evolve(
-        single_device("cpu"),
+    return Strategy(
         name="dp",
+        launch=in_place,
         setup=UseDataParallelDevices(ids),
         wrap=WrapDataParallel(ids),
+        step=training.step,
+        backward=training.backward,
+        update=training.update,
+        no_sync=training.no_sync,
+        reduce=collectives.reduce,
+        gather=collectives.gather,
+        broadcast=collectives.broadcast,
+        barrier=collectives.barrier,
+        shard=keep_loader,
+        save=checkpoint.save,
+        load=checkpoint.load,
+        teardown=leave,
     )

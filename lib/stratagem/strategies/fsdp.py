@@ -18,17 +18,17 @@ from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-import attrs
 import torch
 
-from stratagem import training
+from stratagem import checkpoint, collectives, training
 from stratagem.arrivals import DEFAULT_TIMEOUT
-from stratagem.devices import DeviceSpec
+from stratagem.devices import DeviceSpec, check_device_spec
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError
-from stratagem.launching import Spawn, spawned
+from stratagem.launching import Spawn, in_place, spawned
 from stratagem.meshes import JoinMesh, ShardSize, device_mesh, mesh_shape
-from stratagem.strategies.ddp import ddp
+from stratagem.process_group import JoinProcessGroup, leave_process_group
+from stratagem.sharding import shard_loader
 from stratagem.strategies.fsdp_units import (
     AboveParameters,
     EveryModuleOf,
@@ -162,19 +162,36 @@ def fsdp(
     Raises:
         UsageError: an option has the wrong type or value.
     """
-    base = ddp(device=device, backend=backend, timeout=timeout, arrival_timeout=arrival_timeout)
-    return attrs.evolve(
-        base,
+    return Strategy(
         name="fsdp",
-        setup=JoinMesh(join=base.setup, shard_size=shard_size),
+        launch=in_place,
+        setup=JoinMesh(
+            join=JoinProcessGroup(
+                device=check_device_spec(device),
+                backend=backend,
+                timeout=timeout,
+                arrival_timeout=arrival_timeout,
+            ),
+            shard_size=shard_size,
+        ),
         wrap=WrapFSDP(
             shard_when=shard_when,
             reshard_after_forward=reshard_after_forward,
             mp_policy=mp_policy,
             sync_module_states=sync_module_states,
         ),
+        step=training.step,
+        backward=training.backward,
         update=fsdp_update,
         no_sync=fsdp_no_sync,
+        reduce=collectives.reduce,
+        gather=collectives.gather,
+        broadcast=collectives.broadcast,
+        barrier=collectives.barrier,
+        shard=shard_loader,
+        save=checkpoint.save,
+        load=checkpoint.load,
+        teardown=leave_process_group,
     )
 
 

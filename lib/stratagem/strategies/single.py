@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import TypeVar
 
 import attrs
@@ -10,10 +9,11 @@ import torch
 
 from stratagem import checkpoint, collectives, training
 from stratagem.devices import DeviceSpec, check_device_spec, resolve_device
-from stratagem.env import Context, Env, check_context, check_env
-from stratagem.errors import LaunchError, UsageError, describe
+from stratagem.env import Context, Env, check_env
+from stratagem.errors import LaunchError
 from stratagem.launching import in_place
-from stratagem.sharding import check_not_empty
+from stratagem.process_group import leave
+from stratagem.sharding import keep_loader
 from stratagem.strategy import Strategy
 
 __all__ = ["UseDevice", "keep_loader", "leave", "single_device"]
@@ -34,15 +34,6 @@ class UseDevice:
                 f"{env.world_size}; use ddp() to train on all of them."
             )
         return Context(env=env, device=resolve_device(self.device, env.local_rank))
-
-
-def leave(ctx: Context) -> None:
-    """Teardown field of a world with nothing to release.
-
-    Raises:
-        UsageError: ``ctx`` is not a `Context` (as on N ranks).
-    """
-    check_context(ctx, "teardown")
 
 
 def single_device(device: DeviceSpec = "auto") -> Strategy:
@@ -87,19 +78,3 @@ def single_device(device: DeviceSpec = "auto") -> Strategy:
         load=checkpoint.load,
         teardown=leave,
     )
-
-
-def keep_loader(loader: Iterable[T], ctx: Context) -> Iterable[T]:
-    """Shard field of a world of one: the whole loader is this rank's share.
-
-    Raises:
-        UsageError: ``loader`` is not iterable, is a DataLoader over an empty
-            dataset (as on N ranks), or ``ctx`` is not a `Context`.
-    """
-    check_context(ctx, "shard")
-    if not (hasattr(loader, "__iter__") or hasattr(loader, "__getitem__")):
-        raise UsageError(
-            f"shard: 'loader' must be iterable, e.g. a torch DataLoader (got {describe(loader)})."
-        )
-    check_not_empty(loader)
-    return loader
