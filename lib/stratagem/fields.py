@@ -1,4 +1,4 @@
-"""Callback protocols: the type of each `Strategy` field, and the calling convention it promises.
+"""Callback protocols: the type of each `Strategy` field, its calling convention, `StrategyLike`.
 
 Leading parameters are positional-only, so a user's function may name them as
 it likes; keyword parameters (``forward``, ``src``) are part of the contract.
@@ -9,13 +9,12 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import torch
 
 if TYPE_CHECKING:
     from stratagem.env import Context, Env
-    from stratagem.strategy import StrategyLike
 
 __all__ = [
     "BackwardFn",
@@ -32,6 +31,7 @@ __all__ = [
     "SetupFn",
     "ShardFn",
     "StepFn",
+    "StrategyLike",
     "TeardownFn",
     "UpdateFn",
     "WrapFn",
@@ -183,3 +183,45 @@ class LoadFn(Protocol):
     ) -> dict[str, Any]:
         """Restore ``state``'s objects in place and return the plain values."""
         ...
+
+
+@runtime_checkable
+class StrategyLike(Protocol):
+    """Anything with a strategy's fields: a `Strategy`, or a user's own record type.
+
+    Members are read-only properties so that frozen records, NamedTuples and
+    plain objects all satisfy it.
+    """
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def launch(self) -> LaunchFn: ...
+    @property
+    def setup(self) -> SetupFn: ...
+    @property
+    def wrap(self) -> WrapFn: ...
+    @property
+    def step(self) -> StepFn: ...
+    @property
+    def backward(self) -> BackwardFn: ...
+    @property
+    def update(self) -> UpdateFn: ...
+    @property
+    def no_sync(self) -> NoSyncFn: ...
+    @property
+    def reduce(self) -> ReduceFn: ...
+    @property
+    def gather(self) -> GatherFn: ...
+    @property
+    def broadcast(self) -> BroadcastFn: ...
+    @property
+    def barrier(self) -> BarrierFn: ...
+    @property
+    def shard(self) -> ShardFn: ...
+    @property
+    def save(self) -> SaveFn: ...
+    @property
+    def load(self) -> LoadFn: ...
+    @property
+    def teardown(self) -> TeardownFn: ...

@@ -8,7 +8,7 @@ validators here, so every substitution is checked as construction is.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import attrs
 
@@ -30,6 +30,7 @@ from stratagem.fields import (
     UpdateFn,
     WrapFn,
 )
+from stratagem.fields import StrategyLike as StrategyLike  # defined beside its field types
 
 __all__ = ["FIELD_SIGNATURES", "Strategy", "StrategyLike"]
 
@@ -130,45 +131,3 @@ class Strategy:
     save: SaveFn = attrs.field(validator=FIELD_SIGNATURES["save"])
     load: LoadFn = attrs.field(validator=FIELD_SIGNATURES["load"])
     teardown: TeardownFn = attrs.field(validator=FIELD_SIGNATURES["teardown"])
-
-
-@runtime_checkable
-class StrategyLike(Protocol):
-    """Anything with a strategy's fields: a `Strategy`, or a user's own record type.
-
-    Members are read-only properties so that frozen records, NamedTuples and
-    plain objects all satisfy it.
-    """
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def launch(self) -> LaunchFn: ...
-    @property
-    def setup(self) -> SetupFn: ...
-    @property
-    def wrap(self) -> WrapFn: ...
-    @property
-    def step(self) -> StepFn: ...
-    @property
-    def backward(self) -> BackwardFn: ...
-    @property
-    def update(self) -> UpdateFn: ...
-    @property
-    def no_sync(self) -> NoSyncFn: ...
-    @property
-    def reduce(self) -> ReduceFn: ...
-    @property
-    def gather(self) -> GatherFn: ...
-    @property
-    def broadcast(self) -> BroadcastFn: ...
-    @property
-    def barrier(self) -> BarrierFn: ...
-    @property
-    def shard(self) -> ShardFn: ...
-    @property
-    def save(self) -> SaveFn: ...
-    @property
-    def load(self) -> LoadFn: ...
-    @property
-    def teardown(self) -> TeardownFn: ...
