@@ -20,6 +20,15 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
+from stratagem.validators import (
+    a_bool,
+    field,
+    instance_of,
+    is_int,
+    non_negative_int,
+    positive_int,
+    rank_and_world,
+)
 
 __all__ = [
     "ShardSampler",
@@ -45,52 +54,9 @@ def _index(value: object) -> object:
         return value
 
 
-def _count(instance: object, attribute: attrs.Attribute[int], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise UsageError(
-            f"{type(instance).__name__}.{attribute.name} must be a non-negative int "
-            f"(got {describe(value)})."
-        )
-
-
-def _below_world(rank: object, world: object) -> None:
-    # Validators run once every field is set, and again on each assignment; a world size
-    # that is not a positive int gets its own message from its own validator.
-    if isinstance(rank, int) and isinstance(world, int) and 0 < world <= rank:
-        raise UsageError(
-            f"ShardSampler.rank must be below world_size (got rank={rank}, world_size={world})."
-        )
-
-
-def _world_size(instance: Any, attribute: attrs.Attribute[int], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UsageError(f"ShardSampler.world_size must be a positive int (got {describe(value)}).")
-    _below_world(getattr(instance, "rank", None), value)
-
-
-def _rank(instance: Any, attribute: attrs.Attribute[int], value: object) -> None:
-    _count(instance, attribute, value)
-    _below_world(value, getattr(instance, "world_size", None))
-
-
-def _optional_batch_size(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise UsageError(
-            f"ShardSampler.batch_size must be None or a positive int (got {describe(value)})."
-        )
-
-
-def _flag(instance: object, attribute: attrs.Attribute[bool], value: object) -> None:
-    if not isinstance(value, bool):
-        raise UsageError(
-            f"{type(instance).__name__}.{attribute.name} must be True or False "
-            f"(got {describe(value)})."
-        )
-
-
-def _seed(instance: object, attribute: attrs.Attribute[int], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise UsageError(f"ShardSampler.seed must be an int (got {describe(value)}).")
+_SAMPLER_RANK, _SAMPLER_WORLD = rank_and_world("ShardSampler.{name}")
+_SAMPLER_COUNT = non_negative_int("ShardSampler.{name}")
+_SAMPLER_FLAG = a_bool("ShardSampler.{name}")
 
 
 @attrs.define
@@ -125,16 +91,20 @@ class ShardSampler:
         UsageError: a field has the wrong type or range (``rank >= world_size``, ...).
     """
 
-    size: int = attrs.field(converter=_index, validator=_count)
-    rank: int = attrs.field(converter=_index, validator=_rank)
-    world_size: int = attrs.field(converter=_index, validator=_world_size)
-    shuffle: bool = attrs.field(default=False, validator=_flag)
-    seed: int = attrs.field(converter=_index, default=0, validator=_seed)
-    drop_last: bool = attrs.field(default=False, validator=_flag)
-    epoch: int = attrs.field(converter=_index, default=0, validator=_count)
-    start: int = attrs.field(converter=_index, default=0, validator=_count)
+    size: int = attrs.field(converter=_index, validator=_SAMPLER_COUNT)
+    rank: int = attrs.field(converter=_index, validator=_SAMPLER_RANK)
+    world_size: int = attrs.field(converter=_index, validator=_SAMPLER_WORLD)
+    shuffle: bool = attrs.field(default=False, validator=_SAMPLER_FLAG)
+    seed: int = attrs.field(
+        converter=_index, default=0, validator=field(is_int, "ShardSampler.{name}", "an int")
+    )
+    drop_last: bool = attrs.field(default=False, validator=_SAMPLER_FLAG)
+    epoch: int = attrs.field(converter=_index, default=0, validator=_SAMPLER_COUNT)
+    start: int = attrs.field(converter=_index, default=0, validator=_SAMPLER_COUNT)
     batch_size: int | None = attrs.field(
-        default=None, converter=_index, validator=_optional_batch_size
+        default=None,
+        converter=_index,
+        validator=positive_int("ShardSampler.{name}", optional="None"),
     )
 
     def set_epoch(self, epoch: int) -> None:
@@ -169,22 +139,7 @@ class ShardSampler:
         return len(range(self.rank, self._kept(), self.world_size))
 
 
-def _stream_below_world(rank: object, world: object) -> None:
-    if isinstance(rank, int) and isinstance(world, int) and 0 < world <= rank:
-        raise UsageError(
-            f"StreamStride.rank must be below world_size (got rank={rank}, world_size={world})."
-        )
-
-
-def _stream_world(instance: Any, attribute: attrs.Attribute[int], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UsageError(f"StreamStride.world_size must be a positive int (got {describe(value)}).")
-    _stream_below_world(getattr(instance, "rank", None), value)
-
-
-def _stream_rank(instance: Any, attribute: attrs.Attribute[int], value: object) -> None:
-    _count(instance, attribute, value)
-    _stream_below_world(value, getattr(instance, "world_size", None))
+_STREAM_RANK, _STREAM_WORLD = rank_and_world("StreamStride.{name}")
 
 
 @attrs.define
@@ -209,9 +164,11 @@ class StreamStride:
     """
 
     dataset: Any
-    rank: int = attrs.field(converter=_index, validator=_stream_rank)
-    world_size: int = attrs.field(converter=_index, validator=_stream_world)
-    epoch: int = attrs.field(converter=_index, default=0, validator=_count)
+    rank: int = attrs.field(converter=_index, validator=_STREAM_RANK)
+    world_size: int = attrs.field(converter=_index, validator=_STREAM_WORLD)
+    epoch: int = attrs.field(
+        converter=_index, default=0, validator=non_negative_int("StreamStride.{name}")
+    )
 
     def set_epoch(self, epoch: int) -> None:
         """Record the epoch of the next pass and tell the dataset, if it listens."""
@@ -243,18 +200,7 @@ class _Pass:
     batches: int = 0  # batches this rank took in this pass
 
 
-def _data_loader(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not isinstance(value, DataLoader):
-        raise UsageError(f"ShardedLoader.loader must be a DataLoader (got {describe(value)}).")
-
-
-def _sampler(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not isinstance(value, (ShardSampler, DistributedSampler, StreamStride)):
-        raise UsageError(
-            "ShardedLoader.sampler must be a ShardSampler, a StreamStride or a DistributedSampler "
-            f"(got "
-            f"{describe(value)}); strategy.shard(loader, ctx) builds both for you."
-        )
+_SAMPLERS = (ShardSampler, DistributedSampler, StreamStride)
 
 
 @attrs.define
@@ -276,9 +222,18 @@ class ShardedLoader:
         UsageError: a field has the wrong type.
     """
 
-    loader: DataLoader[Any] = attrs.field(validator=_data_loader)
-    sampler: ShardSampler | StreamStride | DistributedSampler[Any] = attrs.field(validator=_sampler)
-    epoch: int = attrs.field(default=0, validator=_count)
+    loader: DataLoader[Any] = attrs.field(
+        validator=instance_of("ShardedLoader.{name}", DataLoader, "a DataLoader")
+    )
+    sampler: ShardSampler | StreamStride | DistributedSampler[Any] = attrs.field(
+        validator=instance_of(
+            "ShardedLoader.{name}",
+            _SAMPLERS,
+            "a ShardSampler, a StreamStride or a DistributedSampler",
+            hint="; strategy.shard(loader, ctx) builds them for you",
+        )
+    )
+    epoch: int = attrs.field(default=0, validator=non_negative_int("ShardedLoader.{name}"))
     _start: int = attrs.field(default=0, init=False)
     _pass: _Pass | None = attrs.field(default=None, init=False, repr=False)
 

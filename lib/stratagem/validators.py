@@ -27,6 +27,7 @@ __all__ = [
     "non_negative_int",
     "positive_int",
     "positive_number",
+    "rank_and_world",
     "require",
 ]
 
@@ -131,3 +132,30 @@ def instance_of(owner: str, kind: type | tuple[type, ...], what: str, **options:
 def callable_field(owner: str, what: str, **options: Any) -> Validator:
     """Accept a callable, described to the user as ``what`` (its arguments, result)."""
     return field(callable, owner, what, **options)
+
+
+def rank_and_world(owner: str) -> tuple[Validator, Validator]:
+    """Return the validators of a ``rank`` and a ``world_size`` field: ``0 <= rank < world_size``.
+
+    attrs runs validators once every field is set and again on each assignment,
+    so each side checks against the other's current value; a world size that is
+    not a positive int gets its own message from its own validator.
+    """
+    rank_is_count, world_is_positive = non_negative_int(owner), positive_int(owner)
+
+    def below(rank: object, world: object) -> None:
+        if is_int(rank) and is_int(world) and 0 < world <= rank:  # type: ignore[operator]
+            raise UsageError(
+                f"{owner.format(name='rank')} must be below world_size "
+                f"(got rank={rank}, world_size={world})."
+            )
+
+    def rank(instance: Any, attribute: Any, value: Any) -> None:
+        rank_is_count(instance, attribute, value)
+        below(value, getattr(instance, "world_size", None))
+
+    def world_size(instance: Any, attribute: Any, value: Any) -> None:
+        world_is_positive(instance, attribute, value)
+        below(getattr(instance, "rank", None), value)
+
+    return rank, world_size
