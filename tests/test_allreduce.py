@@ -275,7 +275,8 @@ def test_update_field_is_a_readable_picklable_value():
 def test_bad_bucket_mb_is_a_clear_error(bad):
     for make in (sg.allreduce_grads, sg.allreduce_grads_spawn, AllreduceThenStep):
         with pytest.raises(
-            sg.UsageError, match=r"'bucket_mb' must be a positive number of MiB \(got"
+            sg.UsageError,
+            match=r"allreduce_grads\(bucket_mb=\.\.\.\) must be a positive number of MiB \(got",
         ):
             make(bucket_mb=bad)
     with pytest.raises(ValueError, match=repr(bad).replace("(", r"\(")):
@@ -287,7 +288,7 @@ def test_bad_compression_is_a_clear_error(bad):
     for make in (sg.allreduce_grads, sg.allreduce_grads_spawn, AllreduceThenStep):
         with pytest.raises(
             sg.UsageError,
-            match=r"'compression' must be None \(full precision\) or one of 'bf16', 'fp16' \(got",
+            match=r"\(compression=\.\.\.\) must be None \(full precision\) or one of 'bf16', 'fp16' \(got",
         ):
             make(compression=bad)
 

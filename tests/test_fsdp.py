@@ -300,10 +300,16 @@ def test_mixed_precision_policy_reaches_fully_shard(ranks):
 @pytest.mark.parametrize(
     ("options", "fragment"),
     [
-        ({"shard_when": 3}, "'shard_when' must be None (shard the root only) or a function"),
-        ({"reshard_after_forward": "yes"}, "'reshard_after_forward' must be None, True, False"),
+        (
+            {"shard_when": 3},
+            "fsdp(shard_when=...) must be None (shard the root only) or a function",
+        ),
+        (
+            {"reshard_after_forward": "yes"},
+            "fsdp(reshard_after_forward=...) must be None, True, False",
+        ),
         ({"reshard_after_forward": 1}, "a shard group size of at least 2 (got 1, an int)"),
-        ({"mp_policy": "bf16"}, "'mp_policy' must be None or a torch.distributed.fsdp"),
+        ({"mp_policy": "bf16"}, "fsdp(mp_policy=...) must be None or a torch.distributed.fsdp"),
         ({"shard_size": 0}, "'shard_size' must be 'world', 'node' or a positive int (got 0"),
         ({"shard_size": "rack"}, "(got 'rack', a str)"),
         ({"shard_size": True}, "(got True, a bool)"),

@@ -42,14 +42,17 @@ def is_int(value: object, minimum: int | None = None) -> bool:
     return minimum is None or value >= minimum
 
 
-def is_number(value: object, *, above: float = -math.inf, at_most: float = math.inf) -> bool:
-    """Whether ``value`` is a finite int or float (not a bool) with ``above < value <= at_most``.
+def is_number(
+    value: object, *, above: float = -math.inf, at_most: float = math.inf, finite: bool = True
+) -> bool:
+    """Whether ``value`` is an int or float (not a bool) with ``above < value <= at_most``.
 
-    NaN and infinity are always refused: torch and gloo would fail on them later, far away.
+    NaN is always refused, infinity unless ``finite=False``: torch and gloo would fail
+    on them later, far away.
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
         return False
-    return math.isfinite(value) and above < value <= at_most
+    return (not finite or math.isfinite(value)) and above < value <= at_most
 
 
 def require(
@@ -107,13 +110,15 @@ def a_bool(owner: str, **options: Any) -> Validator:
 
 
 def positive_number(
-    owner: str, *, unit: str = "", at_most: float = math.inf, **options: Any
+    owner: str, *, unit: str = "", at_most: float = math.inf, finite: bool = True, **options: Any
 ) -> Validator:
     """Accept a finite number above 0 (and at most ``at_most``), of ``unit`` if named."""
     what = "a positive number" + (f" of {unit}" if unit else "")
     if at_most < math.inf:
         what += f", at most {int(at_most) if float(at_most).is_integer() else at_most}"
-    return field(lambda v: is_number(v, above=0, at_most=at_most), owner, what, **options)
+    return field(
+        lambda v: is_number(v, above=0, at_most=at_most, finite=finite), owner, what, **options
+    )
 
 
 def choice(owner: str, choices: Sequence[object], **options: Any) -> Validator:

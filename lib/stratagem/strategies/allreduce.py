@@ -26,7 +26,7 @@ from stratagem import checkpoint, collectives, training
 from stratagem.arrivals import DEFAULT_TIMEOUT
 from stratagem.devices import DeviceSpec, check_device_spec
 from stratagem.env import Context, check_context
-from stratagem.errors import UsageError, describe
+from stratagem.errors import UsageError
 from stratagem.launching import Spawn, in_place, spawned
 from stratagem.process_group import JoinProcessGroup, leave_process_group
 from stratagem.replicas import (
@@ -41,6 +41,7 @@ from stratagem.replicas import (
 )
 from stratagem.sharding import shard_loader
 from stratagem.strategy import Strategy
+from stratagem.validators import choice, positive_number
 
 __all__ = [
     "COMPRESSIONS",
@@ -153,20 +154,13 @@ def average_gradients(
             params[index].grad = grads[index]
 
 
-def _bucket_mb(instance: object, attribute: attrs.Attribute[float], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise UsageError(
-            f"'bucket_mb' must be a positive number of MiB (got {describe(value)}); "
-            "25.0 is DDP's default, smaller buckets only add calls."
-        )
-
-
-def _compression(instance: object, attribute: attrs.Attribute[str | None], value: object) -> None:
-    if value is not None and (not isinstance(value, str) or value not in COMPRESSIONS):
-        raise UsageError(
-            f"'compression' must be None (full precision) or one of "
-            f"{', '.join(map(repr, COMPRESSIONS))} (got {describe(value)})."
-        )
+_BUCKET_MB = positive_number(
+    "allreduce_grads({name}=...)",
+    unit="MiB",
+    finite=False,  # infinity: one bucket per dtype
+    hint="; 25.0 is DDP's default, smaller buckets only add calls",
+)
+_COMPRESSION = choice("allreduce_grads({name}=...)", COMPRESSIONS, optional="None (full precision)")
 
 
 @attrs.frozen(kw_only=True)
@@ -178,8 +172,8 @@ class AllreduceThenStep:
         compression: ``"bf16"``, ``"fp16"`` or ``None``, the gradients' wire precision.
     """
 
-    bucket_mb: float = attrs.field(default=25.0, validator=_bucket_mb)
-    compression: Compression | None = attrs.field(default=None, validator=_compression)
+    bucket_mb: float = attrs.field(default=25.0, validator=_BUCKET_MB)
+    compression: Compression | None = attrs.field(default=None, validator=_COMPRESSION)
 
     def __call__(
         self, optimizer: torch.optim.Optimizer, module: torch.nn.Module, ctx: Context

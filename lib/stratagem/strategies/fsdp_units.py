@@ -21,6 +21,7 @@ import torch
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
 from stratagem.replicas import check_same_layout, is_distributed
+from stratagem.validators import a_bool, callable_field, field, is_int
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -143,39 +144,30 @@ def is_sharded(module: torch.nn.Module) -> bool:
 # --- the wrap field: fully_shard bottom-up, as the policy says ---------------------------------
 
 
-def _policy(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value is not None and not callable(value):
-        raise UsageError(
-            f"'shard_when' must be None (shard the root only) or a function module -> bool, "
-            f"e.g. every_module_of(MyBlock) or above_parameters(10**6) (got {describe(value)})."
-        )
+def _is_mp_policy(value: object) -> bool:
+    from torch.distributed.fsdp import MixedPrecisionPolicy  # slow to import: only when asked
+
+    return isinstance(value, MixedPrecisionPolicy)
 
 
-def _reshard(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value is None or isinstance(value, bool):
-        return
-    if not isinstance(value, int) or value < 2:
-        raise UsageError(
-            f"'reshard_after_forward' must be None, True, False or a shard group size of at "
-            f"least 2 (got {describe(value)})."
-        )
-
-
-def _mp_policy(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value is None:
-        return
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    if not isinstance(value, MixedPrecisionPolicy):
-        raise UsageError(
-            f"'mp_policy' must be None or a torch.distributed.fsdp.MixedPrecisionPolicy "
-            f"(got {describe(value)}), e.g. MixedPrecisionPolicy(param_dtype=torch.bfloat16)."
-        )
-
-
-def _flag(instance: object, attribute: attrs.Attribute[bool], value: object) -> None:
-    if not isinstance(value, bool):
-        raise UsageError(f"'{attribute.name}' must be True or False (got {describe(value)}).")
+_POLICY = callable_field(
+    "fsdp({name}=...)",
+    "a function module -> bool",
+    optional="None (shard the root only)",
+    hint="; e.g. every_module_of(MyBlock) or above_parameters(10**6)",
+)
+_RESHARD = field(
+    lambda v: v is None or isinstance(v, bool) or is_int(v, 2),
+    "fsdp({name}=...)",
+    "None, True, False or a shard group size of at least 2",
+)
+_MP_POLICY = field(
+    _is_mp_policy,
+    "fsdp({name}=...)",
+    "a torch.distributed.fsdp.MixedPrecisionPolicy",
+    optional="None",
+    hint=", e.g. MixedPrecisionPolicy(param_dtype=torch.bfloat16)",
+)
 
 
 def _bottom_up(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
@@ -213,10 +205,10 @@ class WrapFSDP:
     not copied.
     """
 
-    shard_when: ShardPolicy | None = attrs.field(default=None, validator=_policy)
-    reshard_after_forward: bool | int | None = attrs.field(default=None, validator=_reshard)
-    mp_policy: MixedPrecisionPolicy | None = attrs.field(default=None, validator=_mp_policy)
-    sync_module_states: bool = attrs.field(default=True, validator=_flag)
+    shard_when: ShardPolicy | None = attrs.field(default=None, validator=_POLICY)
+    reshard_after_forward: bool | int | None = attrs.field(default=None, validator=_RESHARD)
+    mp_policy: MixedPrecisionPolicy | None = attrs.field(default=None, validator=_MP_POLICY)
+    sync_module_states: bool = attrs.field(default=True, validator=a_bool("fsdp({name}=...)"))
 
     def __call__(self, module: torch.nn.Module, ctx: Context) -> torch.nn.Module:
         from torch.distributed.fsdp import fully_shard
