@@ -14,13 +14,14 @@ host): right for checkpoints and barriers, not for every gradient.
 
 from __future__ import annotations
 
-import math
 from datetime import timedelta
+from typing import cast
 
 import attrs
 from torch.distributed import Store  # type: ignore[attr-defined]  # exported at run time
 
-from stratagem.errors import CollectiveCallError, UsageError, describe
+from stratagem.errors import CollectiveCallError
+from stratagem.validators import is_number, require
 
 __all__ = [
     "NOT_CALLED_BY_ALL",
@@ -47,17 +48,14 @@ def check_arrival_timeout(value: object) -> float:
     Raises:
         UsageError: it is not.
     """
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not 0 < value < math.inf
-        or value > timedelta.max.total_seconds()
-    ):
-        raise UsageError(
-            f"'arrival_timeout' must be a positive number of seconds (got {describe(value)}); "
-            "it bounds how long save, load and barrier wait for every rank to call them."
-        )
-    return float(value)
+    require(
+        is_number(value, above=0, at_most=timedelta.max.total_seconds()),
+        "'arrival_timeout'",
+        "a positive number of seconds",
+        value,
+        hint="; it bounds how long save, load and barrier wait for every rank to call them",
+    )
+    return float(cast(float, value))
 
 
 @attrs.define(eq=False)

@@ -17,6 +17,15 @@ import torch.distributed as dist
 
 from stratagem.arrivals import Arrivals
 from stratagem.errors import EnvError, UsageError, describe
+from stratagem.validators import (
+    a_bool,
+    choice,
+    field,
+    instance_of,
+    non_negative_int,
+    positive_int,
+    require,
+)
 
 __all__ = ["Context", "Env", "EnvSource", "check_context", "check_env", "detect_env"]
 
@@ -30,33 +39,16 @@ _SLURM_PORT_BASE = 15000
 _SLURM_PORT_SPAN = 20000
 
 
-def _non_negative(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise EnvError(f"Env.{attribute.name} must be a non-negative int (got {describe(value)}).")
-
-
-def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise EnvError(f"Env.{attribute.name} must be a positive int (got {describe(value)}).")
-
-
-def _address(instance: object, attribute: attrs.Attribute[str], value: object) -> None:
-    if not isinstance(value, str) or not value:
-        raise EnvError(
-            f"Env.master_addr must be a non-empty host name or address (got {describe(value)})."
-        )
-
-
-def _source(instance: object, attribute: attrs.Attribute[str], value: object) -> None:
-    if not isinstance(value, str) or value not in _SOURCES:
-        raise EnvError(
-            f"Env.source must be one of {', '.join(map(repr, _SOURCES))} (got {describe(value)})."
-        )
-
-
-def _bool(instance: object, attribute: attrs.Attribute[bool], value: object) -> None:
-    if not isinstance(value, bool):
-        raise EnvError(f"Env.{attribute.name} must be True or False (got {describe(value)}).")
+_COUNT = non_negative_int("Env.{name}", error=EnvError)
+_POSITIVE = positive_int("Env.{name}", error=EnvError)
+_SOURCE = choice("Env.{name}", _SOURCES, subclasses=True, error=EnvError)
+_FLAG = a_bool("Env.{name}", error=EnvError)
+_ADDRESS = field(
+    lambda v: isinstance(v, str) and v != "",
+    "Env.{name}",
+    "a non-empty host name or address",
+    error=EnvError,
+)
 
 
 @attrs.frozen(kw_only=True)
@@ -82,15 +74,15 @@ class Env:
             each other (``rank >= world_size``, ...).
     """
 
-    rank: int = attrs.field(default=0, validator=_non_negative)
-    local_rank: int = attrs.field(default=0, validator=_non_negative)
-    world_size: int = attrs.field(default=1, validator=_positive)
-    local_world_size: int = attrs.field(default=1, validator=_positive)
-    node_rank: int = attrs.field(default=0, validator=_non_negative)
-    master_addr: str = attrs.field(default="127.0.0.1", validator=_address)
-    master_port: int = attrs.field(default=0, validator=_non_negative)
-    source: EnvSource = attrs.field(default="single", validator=_source)
-    agent_store: bool = attrs.field(default=False, validator=_bool)
+    rank: int = attrs.field(default=0, validator=_COUNT)
+    local_rank: int = attrs.field(default=0, validator=_COUNT)
+    world_size: int = attrs.field(default=1, validator=_POSITIVE)
+    local_world_size: int = attrs.field(default=1, validator=_POSITIVE)
+    node_rank: int = attrs.field(default=0, validator=_COUNT)
+    master_addr: str = attrs.field(default="127.0.0.1", validator=_ADDRESS)
+    master_port: int = attrs.field(default=0, validator=_COUNT)
+    source: EnvSource = attrs.field(default="single", validator=_SOURCE)
+    agent_store: bool = attrs.field(default=False, validator=_FLAG)
 
     def __attrs_post_init__(self) -> None:
         if self.rank >= self.world_size:
@@ -126,14 +118,6 @@ def _read_only(extras: object) -> Mapping[str, Any]:
     return MappingProxyType(dict(extras))
 
 
-def _is_env(instance: object, attribute: attrs.Attribute[Env], value: object) -> None:
-    if not isinstance(value, Env):
-        raise UsageError(
-            f"Context.env must be an Env (got {describe(value)}); use detect_env(os.environ), "
-            "or Env() for a single process."
-        )
-
-
 def _as_device(value: object) -> object:
     """Turn a device string (``"cpu"``, ``"cuda:0"``) into a ``torch.device``; leave the rest."""
     if isinstance(value, str):
@@ -144,28 +128,31 @@ def _as_device(value: object) -> object:
     return value
 
 
-def _is_device(instance: object, attribute: attrs.Attribute[torch.device], value: object) -> None:
-    if not isinstance(value, torch.device):
-        raise UsageError(
-            f"Context.device must be a torch.device or a device string (got "
-            f"{describe(value)}), e.g. torch.device('cpu') or 'cuda:0'."
-        )
-
-
-def _is_group(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value is not None and not isinstance(value, dist.ProcessGroup):
-        raise UsageError(
-            f"Context.group must be None (a world of one) or a torch.distributed.ProcessGroup "
-            f"(got {describe(value)})."
-        )
-
-
-def _is_arrivals(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value is not None and not isinstance(value, Arrivals):
-        raise UsageError(
-            f"Context.arrivals must be None or an Arrivals (got {describe(value)}); the "
-            "setup that joins the world builds it."
-        )
+_CONTEXT_ENV = instance_of(
+    "Context.{name}",
+    Env,
+    "an Env",
+    hint="; use detect_env(os.environ), or Env() for a single process",
+)
+_CONTEXT_DEVICE = instance_of(
+    "Context.{name}",
+    torch.device,
+    "a torch.device or a device string",
+    hint=", e.g. torch.device('cpu') or 'cuda:0'",
+)
+_CONTEXT_GROUP = instance_of(
+    "Context.{name}",
+    dist.ProcessGroup,
+    "a torch.distributed.ProcessGroup",
+    optional="None (a world of one)",
+)
+_CONTEXT_ARRIVALS = instance_of(
+    "Context.{name}",
+    Arrivals,
+    "an Arrivals",
+    optional="None",
+    hint="; the setup that joins the world builds it",
+)
 
 
 @attrs.frozen(kw_only=True)
@@ -184,11 +171,11 @@ class Context:
             not a ``torch.device``, ...).
     """
 
-    env: Env = attrs.field(validator=_is_env)
-    device: torch.device = attrs.field(converter=_as_device, validator=_is_device)
-    group: dist.ProcessGroup | None = attrs.field(default=None, validator=_is_group)
+    env: Env = attrs.field(validator=_CONTEXT_ENV)
+    device: torch.device = attrs.field(converter=_as_device, validator=_CONTEXT_DEVICE)
+    group: dist.ProcessGroup | None = attrs.field(default=None, validator=_CONTEXT_GROUP)
     extras: Mapping[str, Any] = attrs.field(factory=dict, converter=_read_only)
-    arrivals: Arrivals | None = attrs.field(default=None, validator=_is_arrivals, repr=False)
+    arrivals: Arrivals | None = attrs.field(default=None, validator=_CONTEXT_ARRIVALS, repr=False)
 
     def with_extras(self, **extras: Any) -> Context:
         """Return a copy with more per-run state (a grad scaler, a mesh, ...), keyed by name.
@@ -417,18 +404,12 @@ def detect_env(environ: Mapping[str, str]) -> Env:
         >>> detect_env({}).source
         'single'
     """
-    if not isinstance(environ, Mapping):
-        raise UsageError(
-            f"detect_env: 'environ' must be a mapping of variable names to str, usually "
-            f"os.environ (got {describe(environ)})."
-        )
+    wanted = "a mapping of variable names to str, usually os.environ"
+    require(isinstance(environ, Mapping), "detect_env: 'environ'", wanted, environ)
     # os.environ holds only str; a hand-made mapping may not, and would fail deep in parsing.
-    odd = next(((k, v) for k, v in environ.items() if not isinstance(v, str)), None)
-    if odd is not None:
-        raise EnvError(
-            f"environment variable {odd[0]} must be a str, as in os.environ (got "
-            f"{describe(odd[1])})."
-        )
+    for name, value in environ.items():
+        label = f"environment variable {name}"
+        require(isinstance(value, str), label, "a str, as in os.environ", value, error=EnvError)
     if "RANK" in environ or "WORLD_SIZE" in environ or "TORCHELASTIC_RUN_ID" in environ:
         return _torchrun(environ)
     if _is_slurm_batch(environ):

@@ -50,9 +50,11 @@ def is_number(
     NaN is always refused, infinity unless ``finite=False``: torch and gloo would fail
     on them later, far away.
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+    # value != value is NaN; an int is finite however large (math.isnan would overflow on 10**400).
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
         return False
-    return (not finite or math.isfinite(value)) and above < value <= at_most
+    finite_ok = not finite or isinstance(value, int) or math.isfinite(value)
+    return finite_ok and above < value <= at_most
 
 
 def require(
@@ -121,12 +123,23 @@ def positive_number(
     )
 
 
-def choice(owner: str, choices: Sequence[object], **options: Any) -> Validator:
-    """Accept one of ``choices``, of the same type as the choice it equals."""
+def choice(
+    owner: str, choices: Sequence[object], *, subclasses: bool = False, **options: Any
+) -> Validator:
+    """Accept one of ``choices``, of the same type as the choice it equals.
+
+    ``subclasses=True`` also accepts a subclass of that type (a ``StrEnum`` member
+    for a str choice), but never a bool for an int.
+    """
     what = "one of " + ", ".join(map(repr, choices))
-    return field(
-        lambda v: type(v) in {type(c) for c in choices} and v in choices, owner, what, **options
-    )
+    kinds = tuple({type(c) for c in choices})
+
+    def ok(v: object) -> bool:
+        if not subclasses or (isinstance(v, bool) and bool not in kinds):
+            return type(v) in kinds and v in choices
+        return isinstance(v, kinds) and v in choices
+
+    return field(ok, owner, what, **options)
 
 
 def instance_of(owner: str, kind: type | tuple[type, ...], what: str, **options: Any) -> Validator:

@@ -16,6 +16,7 @@ from stratagem.errors import UsageError, describe
 from stratagem.fields import BackwardFn, ForwardFn, NoSyncFn, SetupFn, StepFn, UpdateFn
 from stratagem.strategy import Strategy
 from stratagem.training import check_loss, check_module, check_optimizer
+from stratagem.validators import is_int, require
 
 __all__ = ["AccumulationState", "Every", "Normalize", "accumulate"]
 
@@ -156,7 +157,7 @@ def _takes_the_world_size(every: Callable[..., Any]) -> bool:
     return True
 
 
-def _check_every(every: object) -> Every:
+def _check_every(every: Every) -> Every:
     if callable(every):
         if not _takes_the_world_size(every):
             raise UsageError(
@@ -165,11 +166,8 @@ def _check_every(every: object) -> Every:
                 "argument); e.g. every=lambda world_size: max(1, 8 // world_size)."
             )
         return every
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise UsageError(
-            f"accumulate: 'every' must be a positive int or a function of the world size "
-            f"(got {describe(every)})."
-        )
+    wanted = "a positive int or a function of the world size"
+    require(is_int(every, 1), "accumulate: 'every'", wanted, every)
     return every
 
 
@@ -214,10 +212,8 @@ def accumulate(strategy: Strategy, every: Every, *, normalize: Normalize = "mean
     """
     check_strategy(strategy, "accumulate")
     every = _check_every(every)
-    if not isinstance(normalize, str) or normalize not in ("mean", "sum", "count"):
-        raise UsageError(
-            f"accumulate: 'normalize' must be 'mean', 'sum' or 'count' (got {describe(normalize)})."
-        )
+    known = isinstance(normalize, str) and normalize in ("mean", "sum", "count")
+    require(known, "accumulate: 'normalize'", "'mean', 'sum' or 'count'", normalize)
     if applied(strategy, AccumulationUpdate) is not None:
         raise CombinatorError(
             f"accumulate: strategy {strategy.name!r} already accumulates; apply it once."

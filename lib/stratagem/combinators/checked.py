@@ -25,9 +25,10 @@ import torch.distributed as dist
 from stratagem.collectives import expect_everyone
 from stratagem.combinators._base import CombinatorError, applied, check_strategy
 from stratagem.env import Context, check_context
-from stratagem.errors import CollectiveMismatchError, UsageError, describe
+from stratagem.errors import CollectiveMismatchError
 from stratagem.fields import BarrierFn, BroadcastFn, GatherFn, ReduceFn, ReduceOp
 from stratagem.strategy import Strategy
+from stratagem.validators import require
 
 __all__ = [
     "CheckedBarrier",
@@ -228,10 +229,9 @@ def checked(strategy: Strategy, *, compare_sites: bool = True) -> Strategy:
         CombinatorError: the strategy is already checked.
     """
     check_strategy(strategy, "checked")
-    if not isinstance(compare_sites, bool):
-        raise UsageError(
-            f"checked: 'compare_sites' must be True or False (got {describe(compare_sites)})."
-        )
+    require(
+        isinstance(compare_sites, bool), "checked: 'compare_sites'", "True or False", compare_sites
+    )
     if applied(strategy, CheckedReduce) is not None:
         raise CombinatorError(
             f"checked: strategy {strategy.name!r} is already checked; apply checked once."

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -18,10 +17,11 @@ from stratagem.combinators._base import (
 )
 from stratagem.combinators.precision import PrecisionState
 from stratagem.env import Context, Env, check_context
-from stratagem.errors import UsageError, describe
+from stratagem.errors import UsageError
 from stratagem.fields import SetupFn, UpdateFn
 from stratagem.strategy import Strategy
 from stratagem.training import check_optimizer, clip_norm_
+from stratagem.validators import is_number, require
 
 __all__ = ["ClipState", "with_clipping"]
 
@@ -93,18 +93,12 @@ class ClipUpdate:
         self.inner(OptimizerHook(optimizer, on_step), module, ctx)  # type: ignore[arg-type]
 
 
-def _positive(name: str, value: object) -> float | None:
+def _positive(name: str, value: float | None) -> float | None:
     if value is None:
         return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not value > 0
-        or math.isinf(value)
-    ):
-        raise UsageError(
-            f"with_clipping: '{name}' must be a positive finite number (got {describe(value)})."
-        )
+    require(
+        is_number(value, above=0), f"with_clipping: '{name}'", "a positive finite number", value
+    )
     return float(value)
 
 
@@ -139,10 +133,9 @@ def with_clipping(
         raise UsageError(
             "with_clipping: give max_norm (clip by total norm) or max_value (by value)."
         )
-    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
-        raise UsageError(
-            f"with_clipping: 'norm_type' must be positive (got {describe(norm_type)})."
-        )
+    # inf is a norm too (the largest entry): only NaN and what is not above 0 are refused.
+    positive = is_number(norm_type, above=0, finite=False)
+    require(positive, "with_clipping: 'norm_type'", "positive", norm_type)
     if applied(strategy, ClipUpdate) is not None:
         raise CombinatorError(
             f"with_clipping: strategy {strategy.name!r} is already clipped; apply it once."

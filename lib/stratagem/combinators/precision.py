@@ -17,12 +17,13 @@ from stratagem.combinators._base import (
     root_optimizer,
 )
 from stratagem.env import Context, Env, check_context
-from stratagem.errors import UsageError, describe
+from stratagem.errors import UsageError
 from stratagem.fields import BackwardFn, ForwardFn, SetupFn, StepFn, UpdateFn, WrapFn
 from stratagem.strategies.fsdp_units import WrapFSDP
 from stratagem.strategy import Strategy
 from stratagem.training import check_loss, check_optimizer, move_batch
 from stratagem.trees import map_tensors
+from stratagem.validators import require
 
 __all__ = ["Precision", "PrecisionState", "with_precision"]
 
@@ -247,11 +248,9 @@ def with_precision(strategy: Strategy, precision: Precision) -> Strategy:
         torch.bfloat16
     """
     check_strategy(strategy, "with_precision")
-    if not isinstance(precision, str) or precision not in PRECISIONS:
-        raise UsageError(
-            f"with_precision: 'precision' must be one of {', '.join(map(repr, PRECISIONS))} "
-            f"(got {describe(precision)})."
-        )
+    known = isinstance(precision, str) and precision in PRECISIONS
+    wanted = f"one of {', '.join(map(repr, PRECISIONS))}"
+    require(known, "with_precision: 'precision'", wanted, precision)
     existing = applied(strategy, PrecisionSetup)
     if existing is not None:
         raise CombinatorError(

@@ -11,15 +11,15 @@ import json
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
 from stratagem.combinators._base import CombinatorError, applied, check_strategy
 from stratagem.env import Context, Env
-from stratagem.errors import UsageError, describe
 from stratagem.strategy import FIELD_SIGNATURES, Strategy
 from stratagem.trees import tensors_in
+from stratagem.validators import instance_of, require
 
 __all__ = ["JsonLinesSink", "ListSink", "Sink", "TraceEvent", "Traced", "traced"]
 
@@ -73,12 +73,9 @@ Sink = Callable[[TraceEvent], object]
 
 def _sink_path(path: object) -> str:
     text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
-    if not isinstance(text, str) or not text:
-        raise UsageError(
-            f"JsonLinesSink: 'path' must be a non-empty str or os.PathLike, the file every "
-            f"rank appends to (got {describe(path)})."
-        )
-    return text
+    wanted = "a non-empty str or os.PathLike, the file every rank appends to"
+    require(isinstance(text, str) and text != "", "JsonLinesSink: 'path'", wanted, path)
+    return cast(str, text)
 
 
 @attrs.frozen
@@ -112,12 +109,9 @@ class JsonLinesSink:
             return [TraceEvent.from_json(line) for line in file if line.strip()]
 
 
-def _event_list(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not isinstance(value, list):
-        raise UsageError(
-            f"ListSink: 'events' must be a list to append to (got {describe(value)}); "
-            "ListSink() starts with an empty one."
-        )
+_EVENTS = instance_of(
+    "ListSink: '{name}'", list, "a list to append to", hint="; ListSink() starts with an empty one"
+)
 
 
 @attrs.define(eq=False, repr=False)
@@ -130,7 +124,7 @@ class ListSink:
         events: the events recorded so far, oldest first.
     """
 
-    events: list[TraceEvent] = attrs.field(factory=list, validator=_event_list)
+    events: list[TraceEvent] = attrs.field(factory=list, validator=_EVENTS)
 
     def __call__(self, event: TraceEvent) -> None:
         self.events.append(event)
@@ -227,11 +221,8 @@ def traced(strategy: Strategy, sink: Sink) -> Strategy:
         [('setup', 0, ()), ('reduce', 0, ((3,),))]
     """
     check_strategy(strategy, "traced")
-    if not callable(sink):
-        raise UsageError(
-            f"traced: 'sink' must be callable as sink(event) (got {describe(sink)}); use "
-            "sg.JsonLinesSink(path) or sg.ListSink()."
-        )
+    hint = "; use sg.JsonLinesSink(path) or sg.ListSink()"
+    require(callable(sink), "traced: 'sink'", "callable as sink(event)", sink, hint=hint)
     if applied(strategy, Traced) is not None:
         raise CombinatorError(
             f"traced: strategy {strategy.name!r} is already traced; apply traced once."

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from typing import Literal, get_args
 
 import attrs
 
-from stratagem.errors import UsageError, describe
+from stratagem.validators import a_bool, choice, field, is_int, is_number
 
 __all__ = ["Buffers", "Contract", "OptimizerState"]
 
@@ -17,40 +16,16 @@ OptimizerState = Literal["replicated", "sharded"]
 _OPTIMIZER_STATES: tuple[str, ...] = get_args(OptimizerState)
 
 
-def _sync_every(instance: object, attribute: attrs.Attribute[int], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UsageError(
-            f"Contract: 'sync_every' must be a positive int, the updates between two "
-            f"synchronisations of the parameters (got {describe(value)})."
-        )
-
-
-def _buffers(instance: object, attribute: attrs.Attribute[Buffers | None], value: object) -> None:
-    if value is not None and value not in _BUFFERS:
-        raise UsageError(
-            f"Contract: 'buffers' must be None (read off the strategy), 'broadcast' or "
-            f"'per-rank' (got {describe(value)})."
-        )
-
-
-def _optimizer_state(instance: object, attribute: attrs.Attribute[str], value: object) -> None:
-    if value not in _OPTIMIZER_STATES:
-        raise UsageError(
-            f"Contract: 'optimizer_state' must be 'replicated' or 'sharded' (got "
-            f"{describe(value)})."
-        )
-
-
-def _tolerance(instance: object, attribute: attrs.Attribute[float], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-        raise UsageError(
-            f"Contract: '{attribute.name}' must be a finite number >= 0 (got {describe(value)})."
-        )
-
-
-def _flag(instance: object, attribute: attrs.Attribute[bool], value: object) -> None:
-    if not isinstance(value, bool):
-        raise UsageError(f"Contract: '{attribute.name}' must be True or False (got {value!r}).")
+_OWNER = "Contract: '{name}'"
+_FLAG = a_bool(_OWNER)
+_TOLERANCE = field(lambda v: is_number(v) and v >= 0, _OWNER, "a finite number >= 0")
+_BUFFERS_CHOICE = choice(_OWNER, _BUFFERS, subclasses=True, optional="None (read off the strategy)")
+_STATE_CHOICE = choice(_OWNER, _OPTIMIZER_STATES, subclasses=True)
+_SYNC_EVERY = field(
+    lambda v: is_int(v, 1),
+    _OWNER,
+    "a positive int, the updates between two synchronisations of the parameters",
+)
 
 
 @attrs.frozen(kw_only=True)
@@ -92,13 +67,13 @@ class Contract:
         (0.0001, 1e-05)
     """
 
-    sync_every: int = attrs.field(default=1, validator=_sync_every)
-    buffers: Buffers | None = attrs.field(default=None, validator=_buffers)
-    optimizer_state: OptimizerState = attrs.field(default="replicated", validator=_optimizer_state)
-    synced_init: bool = attrs.field(default=False, validator=_flag)
-    rtol: float = attrs.field(default=1e-4, validator=_tolerance)
-    atol: float = attrs.field(default=1e-5, validator=_tolerance)
-    exact: bool = attrs.field(default=False, validator=_flag)
+    sync_every: int = attrs.field(default=1, validator=_SYNC_EVERY)
+    buffers: Buffers | None = attrs.field(default=None, validator=_BUFFERS_CHOICE)
+    optimizer_state: OptimizerState = attrs.field(default="replicated", validator=_STATE_CHOICE)
+    synced_init: bool = attrs.field(default=False, validator=_FLAG)
+    rtol: float = attrs.field(default=1e-4, validator=_TOLERANCE)
+    atol: float = attrs.field(default=1e-5, validator=_TOLERANCE)
+    exact: bool = attrs.field(default=False, validator=_FLAG)
 
     def tolerances(self) -> tuple[float, float]:
         """Return ``(rtol, atol)``, both 0 when ``exact``."""

@@ -46,8 +46,9 @@ from stratagem._processes import (
 )
 from stratagem.combinators._base import peel, rebased
 from stratagem.env import Context, Env
-from stratagem.errors import LaunchError, RankError, UsageError, describe
+from stratagem.errors import LaunchError, RankError, UsageError
 from stratagem.strategy import StrategyLike
+from stratagem.validators import is_int, is_number, require
 
 __all__ = ["World", "WorldTimeoutError"]
 
@@ -87,15 +88,10 @@ class World:
     """
 
     def __init__(self, world_size: int, *, timeout: float = 60.0, error_grace: float = 5.0) -> None:
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise UsageError(
-                f"World: 'world_size' must be a positive int (got {describe(world_size)})."
-            )
+        require(is_int(world_size, 1), "World: 'world_size'", "a positive int", world_size)
         for name, value in (("timeout", timeout), ("error_grace", error_grace)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise UsageError(
-                    f"World: '{name}' must be a positive number of seconds (got {describe(value)})."
-                )
+            seconds = is_number(value, above=0, finite=False)
+            require(seconds, f"World: '{name}'", "a positive number of seconds", value)
         self.world_size = world_size
         self.timeout = float(timeout)
         self.error_grace = float(error_grace)

@@ -37,6 +37,7 @@ from stratagem.testing.laws.state import first_difference, hint, snapshot
 from stratagem.testing.reference import buffers_rule, undistributed
 from stratagem.testing.world import World
 from stratagem.trees import map_tensors, tensors_in
+from stratagem.validators import is_int, require
 
 __all__ = [
     "adamw",
@@ -558,11 +559,8 @@ def check_accumulation(
         LawViolation: a rank's state differs from the reference's.
         UsageError: as `check_data_parallel_step`.
     """
-    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-        raise UsageError(
-            f"check_accumulation: 'micro_batches' must be a positive int (got "
-            f"{describe(micro_batches)})."
-        )
+    label = "check_accumulation: 'micro_batches'"
+    require(is_int(micro_batches, 1), label, "a positive int", micro_batches)
     terms = _contract(contract, tolerance)
     _check(
         "accumulation", strategy, module, batch,
@@ -581,7 +579,6 @@ def _contract(contract: Contract | None, tolerance: float | None) -> Contract:
     return terms if tolerance is None else attrs.evolve(terms, atol=tolerance)
 
 
-def _steps(steps: object) -> int:
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise UsageError(f"laws: 'steps' must be a positive int (got {describe(steps)}).")
+def _steps(steps: int) -> int:
+    require(is_int(steps, 1), "laws: 'steps'", "a positive int", steps)
     return steps

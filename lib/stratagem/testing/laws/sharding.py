@@ -24,10 +24,11 @@ import torch
 from torch.utils.data import ChainDataset, DataLoader, Dataset, IterableDataset
 from torch.utils.data.datapipes.iter import IterableWrapper
 
-from stratagem.errors import UsageError, describe
+from stratagem.errors import UsageError
 from stratagem.strategy import StrategyLike
 from stratagem.testing.laws._core import LawViolation, run_on
 from stratagem.testing.world import World
+from stratagem.validators import is_int, require
 
 __all__ = ["check_shard_partition"]
 
@@ -141,14 +142,9 @@ def check_shard_partition(
         UsageError: an argument is malformed.
     """
     for name, value in (("size", size), ("batch_size", batch_size), ("epochs", epochs)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise UsageError(
-                f"check_shard_partition: {name!r} must be a positive int (got {describe(value)})."
-            )
-    if not isinstance(iterable, bool):
-        raise UsageError(
-            f"check_shard_partition: 'iterable' must be True or False (got {describe(iterable)})."
-        )
+        require(is_int(value, 1), f"check_shard_partition: {name!r}", "a positive int", value)
+    flag = isinstance(iterable, bool)
+    require(flag, "check_shard_partition: 'iterable'", "True or False", iterable)
     ranks = world.world_size if world is not None else world_size
     if size < ranks:
         raise UsageError(
