@@ -1,14 +1,17 @@
-"""What several test modules share: free ports, and the environment of a launcher started here."""
+"""What several test modules share: free ports, a launcher's environment, models, data, contexts."""
 
 from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
-import stratagem
+import torch
 
-LIB = Path(stratagem.__file__).resolve().parent.parent
+import stratagem as sg
+
+LIB = Path(sg.__file__).resolve().parent.parent
 # Variables of an enclosing launcher that must not leak into the agents.
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
@@ -31,3 +34,86 @@ def agent_env(tmp_path: Path) -> dict[str, str]:
     env["OMP_NUM_THREADS"] = "1"
     env["TMPDIR"] = str(tmp_path)
     return env
+
+
+# ------------------------------------------------------------------- models, data, contexts
+# Spawned ranks unpickle what the tests send them by module name; `helpers` is importable there
+# as the test modules are (the spawn start method hands the parent's sys.path to the children).
+
+
+def make_model(
+    *,
+    seed: int = 7,
+    features: int = 6,
+    hidden: int = 16,
+    outputs: int = 2,
+    activation: Callable[[], torch.nn.Module] = torch.nn.Tanh,
+    nested: bool = False,
+) -> torch.nn.Module:
+    """Seed torch's global generator with `seed` and build a two-layer perceptron.
+
+    With `nested`, a ``Sequential(Linear(hidden, hidden), activation())`` block sits
+    between the two layers, so that a module holds a child that holds parameters.
+    """
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(features, hidden), activation()]
+    if nested:
+        layers.append(torch.nn.Sequential(torch.nn.Linear(hidden, hidden), activation()))
+    layers.append(torch.nn.Linear(hidden, outputs))
+    return torch.nn.Sequential(*layers)
+
+
+def make_batches(
+    *,
+    steps: int,
+    size: int = 8,
+    features: int = 6,
+    outputs: int = 2,
+    seed: int = 11,
+    labels: bool = False,
+    seed_targets: bool = True,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`steps` batches of `size` inputs and their targets, drawn from a generator seeded with `seed`.
+
+    Targets are ``(size, outputs)`` values, or with `labels` ``(size,)`` class indices
+    below `outputs`. Each batch draws its inputs, then its targets. With
+    ``seed_targets=False`` the targets come from torch's global generator instead, so
+    they follow whatever seeded it last (test_allreduce's data, whose tolerances were
+    measured on it).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    targets_from = generator if seed_targets else None
+    batches = []
+    for _ in range(steps):
+        inputs = torch.randn(size, features, generator=generator)
+        if labels:
+            targets = torch.randint(0, outputs, (size,), generator=targets_from)
+        else:
+            targets = torch.randn(size, outputs, generator=targets_from)
+        batches.append((inputs, targets))
+    return batches
+
+
+def make_inputs(
+    *, steps: int, size: int = 8, features: int = 6, seed: int = 11
+) -> list[torch.Tensor]:
+    """`steps` batches of `size` inputs and no targets, drawn from a generator seeded with `seed`."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(size, features, generator=generator) for _ in range(steps)]
+
+
+def local_ctx() -> sg.Context:
+    """The CPU context of a plain process (``Env()``), without a process group."""
+    return sg.Context(env=sg.Env(), device=torch.device("cpu"))
+
+
+def rank_ctx(rank: int, world_size: int) -> sg.Context:
+    """The CPU context of `rank` in a one-node spawned world of `world_size`, without a process group."""
+    env = sg.Env(
+        rank=rank,
+        local_rank=rank,
+        world_size=world_size,
+        local_world_size=world_size,
+        source="spawn",
+    )
+    return sg.Context(env=env, device=torch.device("cpu"))

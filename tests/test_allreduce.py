@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import stratagem as sg
+from helpers import local_ctx, make_batches, make_model
 from stratagem import training
-from stratagem.env import Context, Env
 from stratagem.replicas import buckets as _buckets
 from stratagem.strategies.allreduce import AllreduceThenStep, average_gradients, broadcast_module
 
@@ -36,11 +36,6 @@ FP16_SUBNORMAL = 2.0**-24
 # ----------------------------------------------------------------- models, data, training loop
 
 
-def make_model() -> torch.nn.Module:
-    torch.manual_seed(7)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
-
-
 class Branchy(torch.nn.Module):
     """`rare` runs only for flagged samples (none on rank 1); `unused` never runs."""
 
@@ -52,14 +47,15 @@ class Branchy(torch.nn.Module):
         self.unused = torch.nn.Linear(6, 2)
 
 
-def make_batches(flags: bool = False) -> list[tuple[torch.Tensor, ...]]:
-    generator = torch.Generator().manual_seed(11)
-    batches = []
-    for _ in range(STEPS):
-        inputs, targets = torch.randn(BATCH, 6, generator=generator), torch.randn(BATCH, 2)
-        flagged = torch.tensor([True, False, True, False] + [False] * (BATCH - 4))
-        batches.append((inputs, targets, flagged) if flags else (inputs, targets))
-    return batches
+def batches(flags: bool = False) -> list[tuple[torch.Tensor, ...]]:
+    """With `flags`, a third column flags samples 0 and 2 (both in rank 0's half)."""
+    plain = make_batches(steps=STEPS, size=BATCH, seed_targets=False)
+    if not flags:
+        return plain
+    return [
+        (inputs, targets, torch.tensor([True, False, True, False] + [False] * (BATCH - 4)))
+        for inputs, targets in plain
+    ]
 
 
 def mean_loss(model, batch):
@@ -103,7 +99,7 @@ def whole(batch, ctx):
 def train(strategy, ctx, piece_of, forward, *, micro=1, build=make_model, flags=False):
     model = strategy.wrap(build(), ctx)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9, weight_decay=0.01)
-    for batch in make_batches(flags):
+    for batch in batches(flags):
         mine = piece_of(batch, ctx)
         pieces = split(mine, [len(mine[0]) // micro] * micro)
         for index, piece in enumerate(pieces):
@@ -160,7 +156,7 @@ def optimizer_states(strategy, ctx):
         model = strategy.wrap(make_model(), ctx)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
         if ctx.rank == src:
-            for batch in make_batches()[:2]:
+            for batch in batches()[:2]:
                 mean_loss(model, batch).backward()
                 optimizer.step()
         sg.broadcast_optimizer_state(optimizer, ctx, src=src)
@@ -211,7 +207,7 @@ def ranks():
 
 @pytest.fixture(scope="module")
 def single():
-    ctx = Context(env=Env(), device=torch.device("cpu"))
+    ctx = local_ctx()
     strategy = sg.single_device("cpu")
     return {
         "whole": train(strategy, ctx, whole, mean_loss),
@@ -303,7 +299,7 @@ def test_other_bad_options_are_ddps_errors():
 
 
 def test_broadcast_optimizer_state_checks_src_and_is_a_no_op_on_one_process():
-    ctx = Context(env=Env(), device=torch.device("cpu"))
+    ctx = local_ctx()
     optimizer = torch.optim.SGD(make_model().parameters(), lr=0.1)
     with pytest.raises(sg.UsageError, match=r"'src' must be a rank in \[0, 1\) \(got 1, an int\)"):
         sg.broadcast_optimizer_state(optimizer, ctx, src=1)
@@ -323,7 +319,7 @@ def test_buckets_split_by_dtype_and_cap_in_order():
 
 
 def test_world_of_one_trains_like_single_device(single):
-    ctx = Context(env=Env(), device=torch.device("cpu"))  # no process group: nothing to reduce
+    ctx = local_ctx()  # no process group: nothing to reduce
     ours = train(sg.allreduce_grads(device="cpu"), ctx, whole, mean_loss)
     assert_params_close(ours, single["whole"], "world of one", rtol=0, atol=0)
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 import pytest
 import torch
 
 import stratagem as sg
+from helpers import make_inputs, make_model
 from stratagem import training
 from stratagem.testing import LawViolation, laws
 from stratagem.testing.check import default_module
@@ -15,14 +18,8 @@ BATCH = torch.randn(8, 4, generator=torch.Generator().manual_seed(5))
 STEPS = 4
 
 
-def model_factory() -> torch.nn.Module:
-    torch.manual_seed(3)
-    return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
-
-
-def batches(count: int, size: int = 8) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(9)
-    return [torch.randn(size, 4, generator=generator) for _ in range(count)]
+model_factory = functools.partial(make_model, seed=3, features=4)
+batches = functools.partial(make_inputs, features=4, seed=9)
 
 
 def squares(model, batch):
@@ -32,7 +29,7 @@ def squares(model, batch):
 def plain_training(steps: int = STEPS, lr: float = 0.1) -> list[torch.Tensor]:
     model = model_factory()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    for batch in batches(steps):
+    for batch in batches(steps=steps):
         squares(model, batch).backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -43,7 +40,7 @@ def train(strategy, ctx, micro: int = 1, steps: int = STEPS, lr: float = 0.1):
     """Each rank takes its share of each batch, split into ``micro`` micro-batches."""
     model = strategy.wrap(model_factory(), ctx)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    for batch in batches(steps):
+    for batch in batches(steps=steps):
         mine = batch.chunk(ctx.world_size)[ctx.rank]
         for piece in mine.chunk(micro):
             loss = strategy.step(model, piece, ctx, forward=squares)

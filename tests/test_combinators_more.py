@@ -8,6 +8,7 @@ take longer on a loaded machine, so it runs in its own spawned launch.
 from __future__ import annotations
 
 import collections
+import functools
 import pickle
 import re
 
@@ -17,22 +18,15 @@ import torch
 import torch.distributed as dist
 
 import stratagem as sg
+from helpers import make_inputs, make_model
 from stratagem.combinators.checked import CheckedReduce, _mismatch
 
 STEPS = 3
 FEATURES = 4
 
 
-def model_factory() -> torch.nn.Module:
-    torch.manual_seed(3)
-    return torch.nn.Sequential(
-        torch.nn.Linear(FEATURES, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2)
-    )
-
-
-def batches(steps: int = STEPS, size: int = 8) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(9)
-    return [torch.randn(size, FEATURES, generator=generator) for _ in range(steps)]
+model_factory = functools.partial(make_model, seed=3, features=FEATURES)
+batches = functools.partial(make_inputs, steps=STEPS, features=FEATURES, seed=9)
 
 
 def squares(model, batch):

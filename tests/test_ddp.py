@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import stratagem as sg
+from helpers import make_batches, make_model
 
 pytestmark = pytest.mark.slow
 
@@ -15,19 +16,6 @@ STEPS = 5
 BATCH = 8
 MICRO = 2  # micro-batches per optimizer step in the accumulation run
 TOLERANCE = {"rtol": 0, "atol": 1e-6}
-
-
-def make_model() -> torch.nn.Module:
-    torch.manual_seed(7)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
-
-
-def make_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(11)
-    return [
-        (torch.randn(BATCH, 6, generator=generator), torch.randn(BATCH, 2, generator=generator))
-        for _ in range(STEPS)
-    ]
 
 
 def mean_loss(model, batch):
@@ -53,7 +41,7 @@ def split(batch, sizes):
 def train(strategy, ctx, piece_of, forward, micro=1):
     model = strategy.wrap(make_model(), ctx)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
-    for batch in make_batches():
+    for batch in make_batches(steps=STEPS, size=BATCH):
         mine = piece_of(batch, ctx)
         pieces = split(mine, [len(mine[0]) // micro] * micro)
         for index, piece in enumerate(pieces):

@@ -15,25 +15,13 @@ import torch
 from torch.nn.parallel import DataParallel
 
 import stratagem as sg
+from helpers import make_batches, make_model
 
 STEPS = 4
 BATCH = 8
 MICRO = 2
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback")
-
-
-def make_model() -> torch.nn.Module:
-    torch.manual_seed(7)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
-
-
-def make_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(11)
-    return [
-        (torch.randn(BATCH, 6, generator=generator), torch.randn(BATCH, 2, generator=generator))
-        for _ in range(STEPS)
-    ]
 
 
 def mean_loss(model, batch):
@@ -44,7 +32,7 @@ def mean_loss(model, batch):
 def train(strategy, ctx, micro=1):
     model = strategy.wrap(make_model(), ctx)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
-    for batch in make_batches():
+    for batch in make_batches(steps=STEPS, size=BATCH):
         pieces = list(zip(*(t.chunk(micro) for t in batch), strict=True))
         for index, piece in enumerate(pieces):
             last = index == len(pieces) - 1

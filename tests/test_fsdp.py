@@ -8,6 +8,7 @@ are checked in this process.
 from __future__ import annotations
 
 import contextlib
+import functools
 import pickle
 from typing import Any, NamedTuple
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 import stratagem as sg
+from helpers import make_batches, make_model
 from stratagem.strategies.fsdp import OPTIMIZER_BEFORE_WRAP, device_mesh, mesh_shape
 
 STEPS = 4
@@ -24,23 +26,10 @@ MAX_NORM = 0.05  # small enough that every step of the clipped case clips
 TOLERANCE = {"rtol": 0, "atol": 1e-6}
 
 
-def make_model() -> torch.nn.Module:
-    # A nested block, so that above_parameters must skip what a sharded child holds.
-    torch.manual_seed(7)
-    return torch.nn.Sequential(
-        torch.nn.Linear(6, 16),  # 112 elements
-        torch.nn.Tanh(),
-        torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()),  # 272
-        torch.nn.Linear(16, 2),  # 34
-    )
-
-
-def make_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(11)
-    return [
-        (torch.randn(BATCH, 6, generator=generator), torch.randn(BATCH, 2, generator=generator))
-        for _ in range(STEPS)
-    ]
+# Linear(6, 16) of 112 elements, a nested block (Linear(16, 16), Tanh) of 272, Linear(16, 2) of
+# 34: above_parameters must skip what a sharded child holds.
+nested_model = functools.partial(make_model, nested=True)
+batches = functools.partial(make_batches, steps=STEPS, size=BATCH)
 
 
 def mean_loss(model, batch):
@@ -107,12 +96,12 @@ def full(parameter: torch.Tensor) -> torch.Tensor:
 
 
 def train(strategy, ctx, case: Case, *, reference: bool = False):
-    model = strategy.wrap(make_model(), ctx)
+    model = strategy.wrap(nested_model(), ctx)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
     piece_of, micro = (whole, 1) if reference else (case.piece, case.micro)
     forward = mean_loss if reference else case.loss(ctx)
     norms = []
-    for batch in make_batches():
+    for batch in batches():
         mine = piece_of(batch, ctx)
         pieces = split(mine, [len(mine[0]) // micro] * micro)
         for index, piece in enumerate(pieces):
@@ -143,36 +132,36 @@ def error_of(action) -> str:
 def other_checks(strategy, ctx) -> dict[str, Any]:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    out: dict[str, Any] = {"plain_keys": list(make_model().state_dict())}
-    model = strategy.wrap(make_model(), ctx)
+    out: dict[str, Any] = {"plain_keys": list(nested_model().state_dict())}
+    model = strategy.wrap(nested_model(), ctx)
     out["fsdp_keys"] = list(model.state_dict())
     out["unwrap_is_identity"] = sg.unwrap(model) is model
     out["local_shape"] = tuple(model[0].weight.to_local().shape)
-    ddp_model = sg.ddp().wrap(make_model(), ctx)
+    ddp_model = sg.ddp().wrap(nested_model(), ctx)
     out["ddp_keys"], out["ddp_raw_keys"] = (
         list(sg.unwrap(ddp_model).state_dict()),
         list(ddp_model.state_dict()),
     )
     del ddp_model
 
-    model, batch = strategy.wrap(make_model(), ctx), make_batches()[0]
+    model, batch = strategy.wrap(nested_model(), ctx), batches()[0]
     with strategy.no_sync(model, ctx):
         strategy.backward(strategy.step(model, batch, ctx, forward=mean_loss), model, ctx)
     out["grads_inside_no_sync"] = {p.grad is None for p in model.parameters()}
     strategy.backward(strategy.step(model, batch, ctx, forward=mean_loss), model, ctx)
     out["grads_after_no_sync"] = {type(p.grad).__name__ for p in model.parameters()}
 
-    plain = make_model()
+    plain = nested_model()
     early = torch.optim.SGD(plain.parameters(), lr=0.1)  # built before wrap: the mistake
     model = strategy.wrap(plain, ctx)
-    strategy.backward(strategy.step(model, make_batches()[0], ctx, forward=mean_loss), model, ctx)
+    strategy.backward(strategy.step(model, batches()[0], ctx, forward=mean_loss), model, ctx)
     out["optimizer_before_wrap"] = error_of(lambda: strategy.update(early, model, ctx))
 
-    out["bad_policy"] = error_of(lambda: sg.fsdp(shard_when=lambda m: 1).wrap(make_model(), ctx))
+    out["bad_policy"] = error_of(lambda: sg.fsdp(shard_when=lambda m: 1).wrap(nested_model(), ctx))
     out["wrap_twice"] = error_of(lambda: strategy.wrap(model, ctx))
 
     mixed = sg.fsdp(mp_policy=MixedPrecisionPolicy(param_dtype=torch.float64)).wrap(
-        make_model(), ctx
+        nested_model(), ctx
     )
     out["mixed_params"] = {p.dtype for p in mixed.parameters()}
     out["mixed_output"] = mixed(torch.ones(2, 6)).dtype
@@ -215,7 +204,7 @@ def reference():
 @pytest.mark.parametrize("name", CASES)
 def test_two_ranks_equal_one_rank_on_the_whole_batch(ranks, reference, name):
     expected, expected_norms = reference[name]
-    initial = list(make_model().parameters())
+    initial = list(nested_model().parameters())
     for rank, result in enumerate(ranks):
         for ours, theirs, start in zip(result[name], expected, initial, strict=True):
             torch.testing.assert_close(
@@ -381,7 +370,7 @@ def test_a_world_that_does_not_factor_fails_before_joining(world, local, shard_s
 def test_wrap_needs_the_mesh_of_fsdp_setup():
     ctx = sg.single_device("cpu").setup(sg.Env())
     with pytest.raises(sg.UsageError, match=r"ctx.extras has no 'mesh'; pass the Context"):
-        sg.fsdp().wrap(make_model(), ctx)
+        sg.fsdp().wrap(nested_model(), ctx)
 
 
 def test_no_sync_needs_the_wrapped_module():
@@ -389,15 +378,15 @@ def test_no_sync_needs_the_wrapped_module():
     with pytest.raises(
         sg.UsageError, match=r"must be the module wrap returned \(an FSDPModule\), got Sequential"
     ):
-        sg.fsdp().no_sync(make_model(), ctx)
+        sg.fsdp().no_sync(nested_model(), ctx)
 
 
 def test_policies_on_plain_modules():
     assert LINEAR(torch.nn.Linear(2, 2)) and not LINEAR(torch.nn.Tanh())
-    assert sg.above_parameters(111)(make_model()[0]) and not sg.above_parameters(112)(
-        make_model()[0]
+    assert sg.above_parameters(111)(nested_model()[0]) and not sg.above_parameters(112)(
+        nested_model()[0]
     )
-    assert sg.above_parameters(417)(make_model()) and not sg.above_parameters(418)(make_model())
+    assert sg.above_parameters(417)(nested_model()) and not sg.above_parameters(418)(nested_model())
     assert (
         repr(sg.every_module_of(torch.nn.Linear, torch.nn.Conv2d))
         == "every_module_of(Linear, Conv2d)"
@@ -439,9 +428,9 @@ def test_fsdp_reuses_the_ddp_fields_it_does_not_change():
 
 
 def test_clip_grad_norm_equals_torch_on_plain_gradients():
-    ours, theirs = make_model(), make_model()
+    ours, theirs = nested_model(), nested_model()
     for model in (ours, theirs):
-        mean_loss(model, make_batches()[0]).backward()
+        mean_loss(model, batches()[0]).backward()
     norm = sg.clip_grad_norm(ours, MAX_NORM)
     torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(theirs.parameters(), MAX_NORM))
     assert norm > MAX_NORM

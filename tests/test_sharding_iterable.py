@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, IterableDataset
 
 import stratagem as sg
+from helpers import rank_ctx
 from kit_strategies import stream_shard
 from stratagem.sharding import shard_loader
 from stratagem.testing import LawViolation, laws
@@ -32,14 +33,6 @@ class Stream(IterableDataset):
 
     def __len__(self) -> int:
         return self.size
-
-
-def rank_ctx(rank: int, world_size: int) -> sg.Context:
-    env = sg.Env(
-        rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size,
-        source="spawn",
-    )  # fmt: skip
-    return sg.Context(env=env, device=torch.device("cpu"))
 
 
 def batches_per_rank(size: int, world_size: int, batch_size: int) -> list[list[list[int]]]:

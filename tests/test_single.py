@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import pytest
@@ -11,23 +12,20 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import stratagem as sg
+from helpers import make_batches, make_model
 
 OPS = ["sum", "mean", "max", "min"]
 FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 INT_DTYPES = [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8]
 
 
-def make_model() -> torch.nn.Module:
-    torch.manual_seed(1234)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
-
-
-def make_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(99)
-    return [
-        (torch.randn(10, 8, generator=generator), torch.randint(0, 3, (10,), generator=generator))
-        for _ in range(12)
-    ]
+# A classifier of 8 features into 3 classes, and 12 batches of 10 labelled samples.
+classifier = functools.partial(
+    make_model, seed=1234, features=8, outputs=3, activation=torch.nn.ReLU
+)
+labelled_batches = functools.partial(
+    make_batches, steps=12, size=10, features=8, outputs=3, labels=True, seed=99
+)
 
 
 def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -36,9 +34,9 @@ def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) ->
 
 
 def plain_loop() -> list[torch.Tensor]:
-    model = make_model()
+    model = classifier()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for inputs, labels in make_batches():
+    for inputs, labels in labelled_batches():
         loss = torch.nn.functional.cross_entropy(model(inputs), labels)
         loss.backward()
         optimizer.step()
@@ -47,9 +45,9 @@ def plain_loop() -> list[torch.Tensor]:
 
 
 def strategy_loop(strategy: sg.StrategyLike, ctx: sg.Context) -> list[torch.Tensor]:
-    model = strategy.wrap(make_model(), ctx)
+    model = strategy.wrap(classifier(), ctx)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for batch in strategy.shard(make_batches(), ctx):
+    for batch in strategy.shard(labelled_batches(), ctx):
         loss = strategy.step(model, batch, ctx, forward=loss_fn)
         strategy.backward(loss, model, ctx)
         strategy.update(optimizer, model, ctx)
@@ -63,7 +61,7 @@ def test_single_device_loop_is_bit_identical_to_plain_pytorch():
     for a, b in zip(ours, theirs, strict=True):
         assert torch.equal(a, b)
     # The loop really trained: parameters moved away from their initial values.
-    assert not torch.equal(ours[0], make_model()[0].weight)
+    assert not torch.equal(ours[0], classifier()[0].weight)
 
 
 def test_auto_device_is_cpu_on_a_machine_without_accelerators():
