@@ -11,18 +11,8 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import stratagem as sg
+from helpers import rank_ctx
 from stratagem.sharding import shard_loader
-
-
-def rank_ctx(rank: int, world_size: int) -> sg.Context:
-    env = sg.Env(
-        rank=rank,
-        local_rank=rank,
-        world_size=world_size,
-        local_world_size=world_size,
-        source="spawn",
-    )
-    return sg.Context(env=env, device=torch.device("cpu"))
 
 
 def user_loader(size: int, batch_size: int, shuffle: bool, drop_last: bool) -> DataLoader:
