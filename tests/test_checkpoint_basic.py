@@ -230,13 +230,13 @@ def test_a_save_that_fails_keeps_the_previous_checkpoint_and_no_temporary(
     tmp_path, ctx, monkeypatch
 ):
     sg.checkpoint.save(tmp_path / "c", {"step": 1}, ctx)
-    from stratagem.checkpoint import engine
+    from stratagem.checkpoint import dcp_files
 
     def broken_write(directory, state_dict, ctx):
         (directory / "__0_0.distcp").write_bytes(b"half")
         raise OSError("disk full")
 
-    monkeypatch.setattr(engine, "write", broken_write)
+    monkeypatch.setattr(dcp_files, "write", broken_write)
     with pytest.raises(OSError, match="disk full"):
         sg.checkpoint.save(tmp_path / "c", {"step": 2}, ctx)
     monkeypatch.undo()

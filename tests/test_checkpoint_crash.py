@@ -1,7 +1,7 @@
 """A save killed at any point leaves a checkpoint that loads: the previous one, or the new one whole.
 
 Killed processes are real: children that ``os._exit`` at a named stage of the
-save (the test hook ``layout.stage_hook``), children SIGKILLed at arbitrary
+save (the test hook ``directory.stage_hook``), children SIGKILLed at arbitrary
 moments while saving in a loop, and a rank of a 2-rank world that dies before
 writing its shard.
 """
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import stratagem as sg
-from stratagem.checkpoint import layout
+from stratagem.checkpoint import directory
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ STAGES_AFTER_COMMIT = ("committed", "discarding")
 def processes():
     """Children forked from one server that imported torch and DCP once: a child costs no imports."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "stratagem", "stratagem.checkpoint.engine"])
+    context.set_forkserver_preload(["torch", "stratagem", "stratagem.checkpoint.dcp_files"])
     return context
 
 
@@ -67,7 +67,7 @@ def exit_at(stage: str):
 
 
 def save_and_die_at(path: str, stage: str) -> None:
-    layout.stage_hook = exit_at(stage)
+    directory.stage_hook = exit_at(stage)
     sg.checkpoint.save(path, state_of(2), single())
     os._exit(0)  # the stage was never reached
 
@@ -140,7 +140,7 @@ def rank_one_dies_writing(strategy, ctx, path: str) -> None:
     with torch.no_grad():
         sg.unwrap(model).weight.fill_(2)
     if ctx.rank == 1:
-        layout.stage_hook = exit_at("writing")
+        directory.stage_hook = exit_at("writing")
     strategy.save(path, {"model": model, "version": 2}, ctx)
 
 

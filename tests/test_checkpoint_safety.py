@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import stratagem as sg
-from stratagem.checkpoint import entries, safety
-from stratagem.checkpoint.layout import MANIFEST, CheckpointError
+from stratagem.checkpoint import directory, entries
+from stratagem.checkpoint.directory import MANIFEST
+from stratagem.errors import CheckpointError
 
 
 class Payload:
@@ -92,7 +93,7 @@ def test_a_metadata_file_replaced_by_a_malicious_pickle_is_refused(tmp_path, ctx
 
 def test_a_payload_hidden_inside_real_metadata_is_refused(tmp_path, ctx):
     path = saved(tmp_path, ctx)
-    metadata = safety.read_metadata(path)
+    metadata = directory.read_metadata(path)
     metadata.storage_meta = Payload()  # deep inside an otherwise valid object
     (path / ".metadata").write_bytes(pickle.dumps(metadata))
     resize_in_manifest(path)

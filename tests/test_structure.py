@@ -108,4 +108,4 @@ def test_subpackages_are_reachable_as_attributes_in_a_fresh_process():
         "sg.combinators.checked.__name__)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["stratagem.checkpoint.layout", "World", "checked"]
+    assert out.stdout.split() == ["stratagem.checkpoint.directory", "World", "checked"]

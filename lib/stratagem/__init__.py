@@ -14,8 +14,8 @@ import importlib as _importlib
 import typing as _typing
 
 if _typing.TYPE_CHECKING:
+    from stratagem.checkpoint.entries import per_rank as per_rank
     from stratagem.checkpoint.entries import unwrap as unwrap
-    from stratagem.checkpoint.owners import per_rank as per_rank
     from stratagem.combinators.accumulation import accumulate as accumulate
     from stratagem.combinators.checked import checked as checked
     from stratagem.combinators.clipping import with_clipping as with_clipping
@@ -72,7 +72,7 @@ _WHERE: dict[str, str] = {
     "joined": "stratagem.script",
     "CheckpointError": "stratagem.errors",
     "unwrap": "stratagem.checkpoint.entries",
-    "per_rank": "stratagem.checkpoint.owners",
+    "per_rank": "stratagem.checkpoint.entries",
     "CollectiveMismatchError": "stratagem.errors",
     "CombinatorError": "stratagem.errors",
     "JsonLinesSink": "stratagem.combinators.tracing",

@@ -8,16 +8,16 @@ restores for itself (every other entry is saved from rank 0). See
 ``docs/checkpoints.md``.
 """
 
-from stratagem.checkpoint.api import load as load
-from stratagem.checkpoint.api import save as save
+from stratagem.checkpoint.directory import latest as latest
+from stratagem.checkpoint.entries import PerRank as PerRank
+from stratagem.checkpoint.entries import per_rank as per_rank
 from stratagem.checkpoint.entries import unwrap as unwrap
-from stratagem.checkpoint.layout import CheckpointError as CheckpointError
-from stratagem.checkpoint.layout import latest as latest
-from stratagem.checkpoint.owners import PerRank as PerRank
-from stratagem.checkpoint.owners import per_rank as per_rank
+from stratagem.checkpoint.saving import load as load
+from stratagem.checkpoint.saving import save as save
 from stratagem.checkpoint.summary import Description as Description
 from stratagem.checkpoint.summary import TensorInfo as TensorInfo
 from stratagem.checkpoint.summary import describe as describe
+from stratagem.errors import CheckpointError as CheckpointError
 
 __all__ = [
     "CheckpointError",

@@ -1,4 +1,4 @@
-"""The entries of a checkpoint's ``state``: what kind each is, and how it is saved and restored.
+"""The entries of a checkpoint's ``state``: what kind each is, who writes it, how it is stored.
 
 - a module is saved with ``get_model_state_dict`` of the plain module, so the
   keys are those of the unwrapped module whatever wrapper (DDP, DataParallel,
@@ -10,25 +10,36 @@
   ``GradScaler``, a `ShardedLoader`) and every plain value is stored whole as
   ``torch.save`` bytes, read back with ``weights_only=True``;
 - an entry marked with `per_rank` is stored the same way, once per rank, under
-  ``name/<rank>``.
+  ``name/<rank>``;
+- the random generators a resumed run must continue (Python's, NumPy's,
+  torch's) are stored per rank under `RNG_KEY`.
 
-Which rank writes which entry is `stratagem.checkpoint.owners`' concern.
+Who owns each entry, and so which rank writes it:
+
+- **replicated** (every entry not marked otherwise): the same on every rank by
+  promise; rank 0's copy is written, whole, for every entry and every key, so a
+  checkpoint never mixes ranks. ``save(..., verify=True)`` checks the promise.
+- **sharded** (DTensor leaves, as ``fsdp()`` makes them): each rank writes its
+  own shard (a shard replicated over a mesh dimension, by the lowest such rank).
+- **per rank** (entries marked with `per_rank`): each rank writes its own, and
+  on load each rank gets back its own: data positions, an already-fetched batch.
 """
 
 from __future__ import annotations
 
+import hashlib
+import random
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import attrs
+import numpy as np
 import torch
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-from stratagem.checkpoint import rng
-from stratagem.checkpoint.owners import PerRank
-from stratagem.checkpoint.safety import encode
-from stratagem.errors import UsageError, describe
+from stratagem.checkpoint.directory import encode
+from stratagem.errors import CheckpointError, UsageError, describe
 
 if TYPE_CHECKING:
     from stratagem.env import Context
@@ -37,11 +48,18 @@ __all__ = [
     "RNG_KEY",
     "Entry",
     "Kind",
+    "PerRank",
+    "capture_rng",
     "classify",
+    "differing_replicas",
     "leaf_paths",
+    "listing",
+    "per_rank",
+    "restore_rng",
     "saved_state",
     "tied_keys",
     "unwrap",
+    "written_by_this_rank",
 ]
 
 Kind = Literal["module", "optimizer", "object", "value", "per_rank_object", "per_rank_value"]
@@ -57,6 +75,32 @@ PER_RANK_KINDS: tuple[Kind, ...] = ("per_rank_object", "per_rank_value")
 RNG_KEY = "_stratagem_rng"
 _RESERVED = "_stratagem"
 Path = tuple[str, ...]
+
+
+@attrs.frozen
+class PerRank:
+    """An entry of ``state`` that each rank saves and restores for itself; see `per_rank`."""
+
+    value: Any
+
+
+def per_rank(value: Any) -> PerRank:
+    """Mark an entry of a checkpoint's ``state`` as per-rank: each rank saves and loads its own.
+
+    Without the mark an entry is replicated and saved from rank 0 only. Mark
+    what differs by design across ranks: a data position, a generator, an
+    already-fetched batch. An object with ``state_dict``/``load_state_dict`` is
+    restored in place; any other value comes back in the dict `load` returns.
+    Per-rank entries load only into a world of the saving size (see
+    docs/checkpoints.md).
+
+    Example:
+        >>> import torch, stratagem as sg
+        >>> state = {"batch": sg.per_rank(torch.zeros(2)), "step": 3}
+        >>> state["batch"]
+        PerRank(value=tensor([0., 0.]))
+    """
+    return value if isinstance(value, PerRank) else PerRank(value)
 
 
 def _is_compiled(module: torch.nn.Module) -> bool:
@@ -282,7 +326,7 @@ def saved_state(
         else:
             saved[entry.name] = encode(entry.target, f"the value {entry.name!r}")
     if with_rng:
-        saved[RNG_KEY] = {str(ctx.rank): encode(rng.capture(ctx.device), "the RNG state")}
+        saved[RNG_KEY] = {str(ctx.rank): encode(capture_rng(ctx.device), "the RNG state")}
     return saved, ties
 
 
@@ -309,3 +353,139 @@ def _holds_containers(items: list[Any]) -> bool:
         if isinstance(item, list) and _holds_containers(item):
             return True
     return False
+
+
+def _is_sharded(leaf: object) -> bool:
+    # DTensor leaves mean torch.distributed.tensor is imported; otherwise there are none.
+    tensor_module = sys.modules.get("torch.distributed.tensor")
+    return tensor_module is not None and isinstance(leaf, tensor_module.DTensor)
+
+
+def _sharded_part(tree: Any) -> Any:
+    """Return the part of ``tree`` made of sharded leaves, or None if it holds none."""
+    if isinstance(tree, Mapping):
+        kept = {key: _sharded_part(value) for key, value in tree.items()}
+        kept = {key: value for key, value in kept.items() if value is not None}
+        return kept or None
+    if isinstance(tree, list):
+        # A list's items are keyed by index: dropping some would renumber the rest, so a
+        # list with a shard in it stays whole (DCP then saves its copies from the lowest rank).
+        return tree if any(_sharded_part(item) is not None for item in tree) else None
+    return tree if _is_sharded(tree) else None
+
+
+def written_by_this_rank(saved: dict[str, Any], per_rank_names: set[str], ctx: Context) -> Any:
+    """Return the part of ``saved`` this rank writes: all on rank 0, else shards and per-rank."""
+    if ctx.rank == 0:
+        return saved
+    written = {}
+    for name, value in saved.items():
+        part = value if name in per_rank_names else _sharded_part(value)
+        if part is not None:
+            written[name] = part
+    return written
+
+
+def _fingerprint(leaf: Any) -> str:
+    if isinstance(leaf, torch.Tensor):
+        data = leaf.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        return f"{leaf.dtype}{tuple(leaf.shape)}:{hashlib.blake2b(data.tobytes()).hexdigest()}"
+    return repr(leaf)
+
+
+def _fingerprints(tree: Any, prefix: str, out: dict[str, str]) -> None:
+    if isinstance(tree, Mapping):
+        for key, value in tree.items():
+            _fingerprints(value, f"{prefix}/{key}", out)
+    elif isinstance(tree, (list, tuple)) and not _is_sharded(tree):
+        for index, value in enumerate(tree):
+            _fingerprints(value, f"{prefix}/{index}", out)
+    elif not _is_sharded(tree):
+        out[prefix] = _fingerprint(tree)
+
+
+_SHOWN = 20  # keys listed in a message; the rest are counted
+
+
+def listing(keys: Sequence[str]) -> str:
+    """Return ``keys`` joined by commas: the first `_SHOWN` of them, and how many more."""
+    shown = ", ".join(keys[:_SHOWN])
+    return shown + (f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else "")
+
+
+def differing_replicas(replicated: dict[str, Any], ctx: Context) -> str | None:
+    """Compare the replicated entries of every rank; describe those that differ, by key.
+
+    Args:
+        replicated: this rank's replicated entries by name, as values (module and
+            optimizer state dicts, objects' states, plain values).
+        ctx: the joined world; every rank must call it (it gathers the
+            fingerprints: every replicated tensor is hashed on every rank).
+
+    Returns:
+        None if every rank holds the same, else the keys and the ranks that differ from rank 0.
+    """
+    mine: dict[str, str] = {}
+    for name in sorted(replicated):
+        _fingerprints(replicated[name], f"/{name}", mine)
+    if ctx.group is None or ctx.world_size == 1:
+        return None
+    import torch.distributed as dist
+
+    everyone: list[dict[str, str]] = [{} for _ in range(ctx.world_size)]
+    dist.all_gather_object(everyone, mine, group=ctx.group)
+    reference = everyone[0]
+    ranks_by_key: dict[str, list[int]] = {}
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        for path in sorted(reference.keys() | theirs.keys()):
+            if reference.get(path) != theirs.get(path):
+                ranks = ranks_by_key.setdefault(path[1:], [])
+                if rank not in ranks:
+                    ranks.append(rank)
+    if not ranks_by_key:
+        return None
+    differing = [
+        f"{key} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
+        f"differ{'' if len(ranks) > 1 else 's'} from rank 0)"
+        for key, ranks in ranks_by_key.items()
+    ]
+    return f"{len(ranks_by_key)} replicated entries differ across ranks: {listing(differing)}"
+
+
+def refuse_differing(report: str) -> CheckpointError:
+    """Return the error of a verified save whose replicated entries differ."""
+    return CheckpointError(
+        f"save(verify=True): {report}. Nothing was written. Only rank 0's copy of a "
+        "replicated entry is saved; make the ranks agree (e.g. broadcast from rank 0), or "
+        "mark state that differs by design with sg.per_rank(...)."
+    )
+
+
+def capture_rng(device: torch.device) -> dict[str, Any]:
+    """Return the state of this process's global generators, as values ``weights_only`` reads back.
+
+    Covers ``random``, NumPy's global generator, torch's CPU generator and,
+    on a CUDA device, that device's generator.
+    """
+    version, python_state, gauss = random.getstate()
+    legacy = cast(tuple[str, Any, int, int, float], np.random.get_state(legacy=True))
+    kind, keys, position, has_gauss, cached = legacy
+    state: dict[str, Any] = {
+        "python": (version, torch.tensor(python_state, dtype=torch.int64), gauss),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached),
+        "torch": torch.get_rng_state(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def restore_rng(state: dict[str, Any], device: torch.device) -> None:
+    """Set this process's global generators to a state `capture_rng` returned."""
+    version, python_state, gauss = state["python"]
+    random.setstate((version, tuple(python_state.tolist()), gauss))
+    kind, keys, position, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)

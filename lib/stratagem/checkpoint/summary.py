@@ -12,9 +12,14 @@ from typing import Any
 import attrs
 import torch
 
-from stratagem.checkpoint.api import blob_paths, checked_path, decoded, open_checkpoint
 from stratagem.checkpoint.entries import RNG_KEY, Kind
-from stratagem.checkpoint.matching import layout_of
+from stratagem.checkpoint.saving import (
+    blob_paths,
+    checked_path,
+    decoded,
+    layout_of,
+    open_checkpoint,
+)
 from stratagem.env import Context, Env
 from stratagem.trees import map_tensors
 
@@ -140,14 +145,14 @@ def describe(path: str | os.PathLike[str]) -> Description:
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from stratagem.checkpoint import engine
+    from stratagem.checkpoint import dcp_files
 
     found, metadata = open_checkpoint(checked_path(path, "describe"))
     kinds: dict[str, Kind] = found.manifest["entries"]
     world = found.manifest["world_size"]
     blobs = blob_paths(kinds, world)
     alone = Context(env=Env(), device=torch.device("cpu"))
-    stored = engine.read_values(found.directory, metadata, blobs, alone)
+    stored = dcp_files.read_values(found.directory, metadata, blobs, alone)
     tensors, values = {}, {}
     for name, items in layout_of(metadata).items():
         for key, item in items.items():

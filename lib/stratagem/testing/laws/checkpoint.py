@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from stratagem.checkpoint.owners import per_rank
+from stratagem.checkpoint.entries import per_rank
 from stratagem.combinators.accumulation import AccumulationState
 from stratagem.env import Context, Env
 from stratagem.strategy import StrategyLike

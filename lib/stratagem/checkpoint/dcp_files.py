@@ -2,7 +2,7 @@
 
 Imported on first use (DCP takes a second to import). Reading goes through two
 small adapters that do not subclass DCP's classes (house rule): a storage
-reader that serves metadata already read by `safety.read_metadata`, and a load
+reader that serves metadata already read by `directory.read_metadata`, and a load
 planner that reads DCP's non-tensor values with ``weights_only=True`` where
 DCP's own planner unpickles them without restriction.
 """
@@ -33,9 +33,9 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from stratagem.checkpoint.layout import CheckpointError
-from stratagem.checkpoint.safety import refusal
+from stratagem.checkpoint.directory import refusal, unreadable
 from stratagem.env import Context
+from stratagem.errors import CheckpointError
 
 __all__ = ["check_storage", "read", "read_values", "write"]
 
@@ -67,7 +67,7 @@ def _failure(error: BaseException, what: str) -> CheckpointError:
 def write(directory: Path, state_dict: dict[str, Any], ctx: Context) -> None:
     """Write ``state_dict`` into ``directory``: each rank its own file.
 
-    Each rank passes only what it owns (`owners.written_by_this_rank`); an item
+    Each rank passes only what it owns (`entries.written_by_this_rank`); an item
     that several ranks still pass (a shard replicated over a mesh dimension)
     is written by the lowest of them, never by a rank the planner balances to.
 
@@ -172,16 +172,16 @@ def check_storage(directory: Path, metadata: Metadata, sizes: dict[str, int]) ->
         name = getattr(info, "relative_path", None)
         offset, length = getattr(info, "offset", -1), getattr(info, "length", -1)
         if not isinstance(index, MetadataIndex) or name not in sizes:
-            raise CheckpointError(
-                f"load: {str(directory)!r} is not a readable checkpoint: its .metadata points "
-                f"at {name!r}, which is not one of its files."
+            raise unreadable(
+                directory, f"its .metadata points at {name!r}, which is not one of its files"
             )
         if not (isinstance(offset, int) and isinstance(length, int)) or not (
             offset >= 0 and length >= 0 and offset + length <= sizes[name]
         ):
-            raise CheckpointError(
-                f"load: {str(directory)!r} is not a readable checkpoint: {index.fqn!r} lies "
-                f"outside {name} (bytes {offset}..{offset + length} of {sizes[name]})."
+            raise unreadable(
+                directory,
+                f"{index.fqn!r} lies outside {name} "
+                f"(bytes {offset}..{offset + length} of {sizes[name]})",
             )
 
 

@@ -1,4 +1,10 @@
-"""``save`` and ``load``: the record's checkpoint fields, on ``torch.distributed.checkpoint``."""
+"""``save`` and ``load``: the record's checkpoint fields, on ``torch.distributed.checkpoint``.
+
+A load matches what ``state`` asks for against what the checkpoint holds
+before anything is read. Every difference is found from the metadata alone, so
+a strict load that does not match fails before a single tensor of the live
+objects is touched.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +15,13 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
+import attrs
 import torch
 import torch.distributed as dist
 
 from stratagem import collectives
-from stratagem.checkpoint import layout
-from stratagem.checkpoint import rng as rng_states
+from stratagem.checkpoint import directory
+from stratagem.checkpoint.directory import Found, decode, read_metadata, unreadable
 from stratagem.checkpoint.entries import (
     KINDS,
     PER_RANK_KINDS,
@@ -22,19 +29,22 @@ from stratagem.checkpoint.entries import (
     Entry,
     Kind,
     classify,
+    differing_replicas,
+    leaf_paths,
+    listing,
+    live_state,
+    refuse_differing,
+    restore_rng,
     saved_state,
+    written_by_this_rank,
 )
-from stratagem.checkpoint.layout import CheckpointError, Found
-from stratagem.checkpoint.matching import Mismatch, layout_of, match
-from stratagem.checkpoint.owners import differing_replicas, refuse_differing, written_by_this_rank
-from stratagem.checkpoint.safety import decode, read_metadata
 from stratagem.env import Context, check_context
-from stratagem.errors import UsageError, describe
+from stratagem.errors import CheckpointError, UsageError, describe
 
 if TYPE_CHECKING:
-    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.metadata import STORAGE_TYPES, Metadata
 
-__all__ = ["load", "save"]
+__all__ = ["Mismatch", "layout_of", "load", "match", "save"]
 
 logger = logging.getLogger("stratagem.checkpoint")
 
@@ -102,10 +112,10 @@ def save(
 
     Replicated entries (all but sharded tensors and `per_rank` entries) are
     written from rank 0, whole; each rank writes its own shards and per-rank
-    entries (see `stratagem.checkpoint.owners`). Every rank writes into
+    entries (see `stratagem.checkpoint.entries`). Every rank writes into
     ``path.tmp-<token>`` beside ``path``; after a barrier rank 0 writes the
     manifest and renames the directory into place (see
-    `stratagem.checkpoint.layout`). A save that fails or is killed leaves the
+    `stratagem.checkpoint.directory`). A save that fails or is killed leaves the
     previous checkpoint at ``path`` loadable and unchanged.
 
     Args:
@@ -164,7 +174,7 @@ def save(
         report = differing_replicas(compared, ctx)
         if report is not None:
             raise refuse_differing(report)
-    from stratagem.checkpoint import engine  # imports DCP (a second): only once it is needed
+    from stratagem.checkpoint import dcp_files  # imports DCP (a second): only once it is needed
 
     tmp = on_main(ctx, lambda: _begin(target))
     manifest = {
@@ -175,23 +185,23 @@ def save(
         "torch": torch.__version__,
     }
     try:
-        layout.stage_hook("writing")
-        engine.write(tmp, written_by_this_rank(saved, per_rank, ctx), ctx)
+        directory.stage_hook("writing")
+        dcp_files.write(tmp, written_by_this_rank(saved, per_rank, ctx), ctx)
         # Every rank has written its files. Not collectives.barrier: all ranks are known to be
         # here, and one writing a larger share may take longer than the arrival timeout.
         if ctx.group is not None and ctx.world_size > 1:
             dist.barrier(group=ctx.group)
-        layout.stage_hook("written")
-        on_main(ctx, lambda: layout.commit(tmp, target, manifest, keep_last))
+        directory.stage_hook("written")
+        on_main(ctx, lambda: directory.commit(tmp, target, manifest, keep_last))
     except BaseException:
         if ctx.is_main:
-            layout.discard(tmp)
+            directory.discard(tmp)
         raise
 
 
 def _begin(target: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = layout.temporary(target, secrets.token_hex(6))
+    tmp = directory.temporary(target, secrets.token_hex(6))
     tmp.mkdir()
     return tmp
 
@@ -204,22 +214,19 @@ def _kinds(found: Found) -> dict[str, Kind]:
         or not all(isinstance(k, str) and v in KINDS for k, v in entries.items())
         or not isinstance(world, int)
     ):
-        raise CheckpointError(
-            f"load: {str(found.directory)!r} is not a readable checkpoint: its manifest "
-            "does not list its entries."
-        )
+        raise unreadable(found.directory, "its manifest does not list its entries")
     return entries
 
 
 def open_checkpoint(target: Path) -> tuple[Found, Metadata]:
     """Resolve ``target``, check its files, read its metadata safely (rank 0's part of a load)."""
-    found = layout.resolve(target)
+    found = directory.resolve(target)
     _kinds(found)
     metadata = read_metadata(found.directory)
     layout_of(metadata)  # every item has a key path
-    from stratagem.checkpoint import engine
+    from stratagem.checkpoint import dcp_files
 
-    engine.check_storage(found.directory, metadata, found.manifest["files"])
+    dcp_files.check_storage(found.directory, metadata, found.manifest["files"])
     return found, metadata
 
 
@@ -240,7 +247,7 @@ def blob_paths(
 
 
 def decoded(stored: dict[tuple[str, ...], Any], path: tuple[str, ...], what: str) -> Any:
-    """Return the value `engine.read_values` read at ``path``, decoded safely.
+    """Return the value `dcp_files.read_values` read at ``path``, decoded safely.
 
     Raises:
         CheckpointError: it is not there, or it is not a plain value.
@@ -248,6 +255,130 @@ def decoded(stored: dict[tuple[str, ...], Any], path: tuple[str, ...], what: str
     if path not in stored:
         raise CheckpointError(f"load: the checkpoint lists {what} but holds no data for it.")
     return decode(stored[path], what)
+
+
+@attrs.frozen
+class Mismatch:
+    """Differences between a checkpoint and the ``state`` loaded from it.
+
+    Keys read ``entry/key`` (``model/0.weight``, ``optim/state/0.weight/exp_avg``),
+    or just ``entry`` for a whole entry.
+
+    Attributes:
+        missing: in ``state``, not in the checkpoint.
+        unexpected: in the checkpoint, not in ``state``.
+        differing: in both, but of another shape or kind; never loadable.
+    """
+
+    missing: tuple[str, ...] = ()
+    unexpected: tuple[str, ...] = ()
+    differing: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.missing or self.unexpected or self.differing)
+
+    def report(self) -> str:
+        """Return one line per kind of difference."""
+        parts = [
+            f"  {label}: {listing(keys)}"
+            for label, keys in (
+                ("missing from the checkpoint", self.missing),
+                ("in the checkpoint but not in state", self.unexpected),
+                ("differing", self.differing),
+            )
+            if keys
+        ]
+        return "\n".join(parts)
+
+
+def layout_of(metadata: Metadata) -> dict[str, dict[tuple[str, ...], STORAGE_TYPES]]:
+    """Group the checkpoint's items by entry: ``{entry: {key path: storage metadata}}``.
+
+    Raises:
+        CheckpointError: the metadata lacks the key paths of its items.
+    """
+    layout: dict[str, dict[tuple[str, ...], STORAGE_TYPES]] = {}
+    for fqn, item in metadata.state_dict_metadata.items():
+        path = metadata.planner_data.get(fqn)
+        if not isinstance(path, tuple) or not path:
+            raise CheckpointError(
+                f"load: the checkpoint's metadata gives no key path for {fqn!r}; it was not "
+                "written by stratagem."
+            )
+        layout.setdefault(str(path[0]), {})[tuple(str(p) for p in path[1:])] = item
+    return layout
+
+
+def _describe_kind(kind: str) -> str:
+    return {
+        "module": "a module",
+        "optimizer": "an optimizer",
+        "object": "an object",
+        "per_rank_object": "a per-rank object",
+        "per_rank_value": "a per-rank value",
+    }.get(kind, "a plain value")
+
+
+def _differs(leaf: Any, item: STORAGE_TYPES) -> str | None:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if isinstance(leaf, torch.Tensor):
+        if not isinstance(item, TensorStorageMetadata):
+            return "a value in the checkpoint, a tensor here"
+        if tuple(item.size) != tuple(leaf.shape):
+            return f"shape {tuple(item.size)} in the checkpoint, {tuple(leaf.shape)} here"
+        return None
+    if isinstance(item, TensorStorageMetadata):
+        return "a tensor in the checkpoint, a value here"
+    return None
+
+
+def match(
+    entries: list[Entry],
+    saved_kinds: dict[str, Kind],
+    layout: dict[str, dict[tuple[str, ...], STORAGE_TYPES]],
+    ties: dict[str, dict[str, str]] | None = None,
+) -> tuple[dict[str, Any], Mismatch]:
+    """Return the state dicts to read modules and optimizers into, and the differences.
+
+    Only entries present in both are in the returned state dicts; their
+    tensors alias the live ones, so reading into them loads in place. Plain
+    values in ``state`` are not compared: every saved one is returned. A
+    module's key saved as an alias of another (``ties``, a tied weight) is
+    read through that one: it is left out of the returned state dict.
+    """
+    templates: dict[str, Any] = {}
+    missing: list[str] = []
+    unexpected: list[str] = []
+    differing: list[str] = []
+    names = {entry.name for entry in entries}
+    returned = ("value", "per_rank_value")  # load returns these, asked for or not
+    unexpected += [n for n, k in saved_kinds.items() if k not in returned and n not in names]
+    for entry in entries:
+        kind = saved_kinds.get(entry.name)
+        if kind is None:
+            if entry.kind not in returned:
+                missing.append(entry.name)
+        elif kind != entry.kind:
+            differing.append(
+                f"{entry.name} ({_describe_kind(kind)} in the checkpoint, "
+                f"{_describe_kind(entry.kind)} here)"
+            )
+        elif kind in ("module", "optimizer"):
+            templates[entry.name] = live_state(entry)
+            aliases = (ties or {}).get(entry.name, {}) if kind == "module" else {}
+            for alias, original in aliases.items():
+                if original in templates[entry.name]:
+                    del templates[entry.name][alias]
+            requested = dict(leaf_paths(templates[entry.name]))
+            saved = layout.get(entry.name, {})
+            missing += ["/".join((entry.name, *p)) for p in requested if p not in saved]
+            unexpected += ["/".join((entry.name, *p)) for p in saved if p not in requested]
+            for path in (p for p in requested if p in saved):
+                why = _differs(requested[path], saved[path])
+                if why is not None:
+                    differing.append(f"{'/'.join((entry.name, *path))} ({why})")
+    return templates, Mismatch(tuple(missing), tuple(sorted(unexpected)), tuple(differing))
 
 
 def load(
@@ -299,12 +430,12 @@ def load(
     found, metadata = on_main(ctx, lambda: open_checkpoint(target))
     kinds = _kinds(found)
     saved_world = found.manifest["world_size"]
-    from stratagem.checkpoint import engine
+    from stratagem.checkpoint import dcp_files
 
     # Every value is read and vetted before any live tensor is written.
     same_world = saved_world == ctx.world_size
     own = [ctx.rank] if same_world else []
-    stored = engine.read_values(
+    stored = dcp_files.read_values(
         found.directory, metadata, blob_paths(kinds, saved_world, ranks=own), ctx
     )
     mine = str(ctx.rank)
@@ -357,7 +488,7 @@ def load(
         )
     if templates:
         try:
-            engine.read(found.directory, metadata, templates, ctx, partial=not strict)
+            dcp_files.read(found.directory, metadata, templates, ctx, partial=not strict)
         except CheckpointError as error:
             raise CheckpointError(
                 f"{error} Tensors are read into the live objects: those in 'state' may be "
@@ -366,7 +497,7 @@ def load(
     _retie(entries, templates, ties)
     _apply(entries, templates, objects, strict)
     if rng_saved is not None:
-        rng_states.restore(rng_saved, ctx.device)
+        restore_rng(rng_saved, ctx.device)
     return values
 
 
@@ -378,10 +509,7 @@ def _ties(found: Found) -> dict[str, dict[str, str]]:
         and all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items())
         for aliases in ties.values()
     ):
-        raise CheckpointError(
-            f"load: {str(found.directory)!r} is not a readable checkpoint: its manifest's "
-            "'tied' entry is malformed."
-        )
+        raise unreadable(found.directory, "its manifest's 'tied' entry is malformed")
     return ties
 
 

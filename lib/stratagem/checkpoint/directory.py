@@ -1,4 +1,4 @@
-"""A checkpoint on disk: one directory, written beside its target and renamed into place.
+"""A checkpoint on disk: one directory, renamed into place, read without running code from it.
 
 A checkpoint at ``path`` is a directory holding the files of
 ``torch.distributed.checkpoint`` (``.metadata``, one ``__<rank>_0.distcp`` per
@@ -21,34 +21,53 @@ leaves no ``path``, and `resolve` then finds the previous checkpoint at
 ``path.old-T``: loading gives the previous checkpoint until a later save
 succeeds. A crash in 3 leaves the new checkpoint at ``path`` and garbage that
 the next save removes. A directory without a manifest is never read.
+
+Its files are untrusted. DCP writes its ``.metadata`` with plain ``pickle`` and
+reads it back with ``pickle.load``, which runs whatever a tampered file asks
+for. Here it is read by an unpickler that resolves only the classes DCP's
+metadata is made of. Plain values (and the state of objects other than
+modules and optimizers) are stored as ``torch.save`` bytes and read back with
+``weights_only=True``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
+import pickle
+import re
 import shutil
 import stat
 import time
 from collections.abc import Callable, Iterator
+from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
+import torch
 
 from stratagem.errors import CheckpointError, UsageError, describe
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 __all__ = [
     "FORMAT",
     "MANIFEST",
-    "CheckpointError",
     "Found",
     "commit",
+    "decode",
     "discard",
+    "encode",
     "latest",
+    "read_metadata",
+    "refusal",
     "resolve",
     "stage_hook",
+    "unreadable",
 ]
 
 FORMAT = "stratagem-checkpoint/2"
@@ -98,7 +117,8 @@ def _write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     _fsync_directory(directory)
 
 
-def _bad(directory: Path, what: str) -> CheckpointError:
+def unreadable(directory: Path, what: str) -> CheckpointError:
+    """Return the error of a load that found ``directory`` unreadable: ``what`` says why."""
     return CheckpointError(f"load: {os.fspath(directory)!r} is not a readable checkpoint: {what}.")
 
 
@@ -112,30 +132,32 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     try:
         text = (directory / MANIFEST).read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise _bad(directory, f"it has no {MANIFEST} (not a stratagem checkpoint)") from None
+        raise unreadable(directory, f"it has no {MANIFEST} (not a stratagem checkpoint)") from None
     try:
         manifest = json.loads(text)
     except ValueError as error:
-        raise _bad(directory, f"{MANIFEST} is not valid JSON ({error})") from None
+        raise unreadable(directory, f"{MANIFEST} is not valid JSON ({error})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise _bad(directory, f"{MANIFEST} does not describe a {FORMAT} checkpoint")
+        raise unreadable(directory, f"{MANIFEST} does not describe a {FORMAT} checkpoint")
     if not isinstance(manifest.get("saved_at_ns"), int):
-        raise _bad(directory, f"{MANIFEST} does not say when it was saved")
+        raise unreadable(directory, f"{MANIFEST} does not say when it was saved")
     files = manifest.get("files")
     if not isinstance(files, dict) or ".metadata" not in files:
-        raise _bad(directory, f"{MANIFEST} lists no files")
+        raise unreadable(directory, f"{MANIFEST} lists no files")
     for name, size in files.items():
         if not isinstance(name, str) or "/" in name or "\\" in name or name in {"", ".", ".."}:
-            raise _bad(directory, f"{MANIFEST} lists a file outside it ({name!r})")
+            raise unreadable(directory, f"{MANIFEST} lists a file outside it ({name!r})")
         try:
             status = (directory / name).lstat()
         except FileNotFoundError:
-            raise _bad(directory, f"{name} is missing") from None
+            raise unreadable(directory, f"{name} is missing") from None
         if not stat.S_ISREG(status.st_mode):
-            raise _bad(directory, f"{name} is not a regular file")
+            raise unreadable(directory, f"{name} is not a regular file")
         actual = status.st_size
         if actual != size:
-            raise _bad(directory, f"{name} has {actual} bytes, {size} when written (truncated?)")
+            raise unreadable(
+                directory, f"{name} has {actual} bytes, {size} when written (truncated?)"
+            )
     return manifest
 
 
@@ -171,7 +193,7 @@ def resolve(target: Path) -> Found:
     """
     if target.exists():
         if not target.is_dir():
-            raise _bad(target, "it is a file; a checkpoint is a directory")
+            raise unreadable(target, "it is a file; a checkpoint is a directory")
         return Found(target, read_manifest(target))
     previous = _newest(_siblings(target, _OLD))
     if previous is None:
@@ -271,3 +293,115 @@ def latest(directory: str | os.PathLike[str]) -> Path | None:
                 found.append(Found(base, resolve(base).manifest))
     newest = max(found, key=lambda f: f.manifest["saved_at_ns"], default=None)
     return None if newest is None else newest.directory
+
+
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": (
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    ),
+    "torch.distributed.checkpoint.filesystem": ("_StorageInfo",),
+    "torch.serialization": ("_get_layout",),
+    "torch": ("Size",),
+    "pathlib": ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"),
+    "collections": ("OrderedDict",),
+}
+
+
+@cache
+def _allowed() -> dict[tuple[str, str], Any]:
+    import importlib
+
+    allowed = {
+        (module, name): getattr(importlib.import_module(module), name)
+        for module, names in _METADATA_CLASSES.items()
+        for name in names
+    }
+    # Dtypes pickle as attributes of torch (``torch.float32``).
+    allowed.update({("torch", n): v for n, v in vars(torch).items() if isinstance(v, torch.dtype)})
+    return allowed
+
+
+def _find_class(module: str, name: str) -> Any:
+    found = _allowed().get((module, name))
+    if found is None:
+        raise pickle.UnpicklingError(f"refused to load {module}.{name}")
+    return found
+
+
+def refusal(error: Exception) -> str:
+    """Say in a few words why ``torch.load(weights_only=True)`` (or ``torch.save``) failed."""
+    found = re.search(r"GLOBAL (\S+)", str(error))
+    if found:
+        return f"it names {found.group(1)}, which weights_only loading refuses"
+    return f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
+
+
+def read_metadata(directory: Path) -> Metadata:
+    """Read DCP's ``.metadata`` of ``directory``, resolving only the classes metadata is made of.
+
+    Raises:
+        CheckpointError: the file names any other class or function (a
+            tampered file), is truncated, or does not hold DCP metadata.
+    """
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    with open(directory / ".metadata", "rb") as file:
+        # The pure-Python unpickler looks find_class up on the instance, so it is
+        # restricted without a subclass (house rule: no subclassing outside Protocols).
+        unpickler = pickle._Unpickler(file)  # noqa: SLF001
+        unpickler.find_class = _find_class  # type: ignore[method-assign]
+        try:
+            metadata = unpickler.load()
+        except Exception as error:  # any failure means an unreadable file
+            raise unreadable(
+                directory,
+                f"its .metadata cannot be read safely ({type(error).__name__}: {error})",
+            ) from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.planner_data, dict):
+        raise unreadable(
+            directory, "its .metadata does not hold the metadata of a stratagem checkpoint"
+        )
+    return metadata
+
+
+def encode(value: Any, what: str) -> torch.Tensor:
+    """Return ``value`` as ``torch.save`` bytes in a uint8 tensor, checked to read back safely.
+
+    Raises:
+        UsageError: ``value`` holds something ``weights_only`` loading refuses
+            (a custom class, a function, ...); the message names ``what``.
+    """
+    buffer = io.BytesIO()
+    try:
+        torch.save(value, buffer)
+        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    except Exception as error:  # whatever torch.save or the safe load refuses
+        raise UsageError(
+            f"save: {what} cannot be stored as a plain value ({refusal(error)}). "
+            "Plain values may hold numbers, strings, "
+            "lists, tuples, dicts and tensors; give other objects state_dict() and "
+            "load_state_dict()."
+        ) from None
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def decode(blob: torch.Tensor, what: str) -> Any:
+    """Read a value `encode` stored, with ``weights_only=True``: no code from the file runs.
+
+    Raises:
+        CheckpointError: the bytes are not a plain value (tampered or corrupt).
+    """
+    try:
+        return torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True, map_location="cpu")
+    except Exception as error:  # whatever the safe load refuses
+        raise CheckpointError(
+            f"load: {what} in the checkpoint is not a plain value and was refused "
+            f"({refusal(error)})."
+        ) from None
