@@ -7,6 +7,7 @@ example); these are the plain-PyTorch meaning of each field.
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any
 
 import torch
@@ -245,3 +246,16 @@ def clip_grad_norm(
             f"largest entry (got {describe(norm_type)})."
         )
     return clip_norm_(list(module.parameters()), max_norm, norm_type)
+
+
+def original_module(module: torch.nn.Module) -> torch.nn.Module:
+    """Return the module inside a ``torch.compile`` wrapper, or ``module`` if it is not one.
+
+    The one look inside ``torch.compile``: `compiled` and `stratagem.unwrap` both use it.
+    """
+    # Nothing is compiled if nobody imported torch._dynamo: no import for the check.
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
+        inner: torch.nn.Module = module._orig_mod  # noqa: SLF001  # torch offers no other handle
+        return inner
+    return module

@@ -40,6 +40,7 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from stratagem.checkpoint.directory import encode
 from stratagem.errors import CheckpointError, UsageError, describe
+from stratagem.training import original_module
 
 if TYPE_CHECKING:
     from stratagem.env import Context
@@ -103,12 +104,6 @@ def per_rank(value: Any) -> PerRank:
     return value if isinstance(value, PerRank) else PerRank(value)
 
 
-def _is_compiled(module: torch.nn.Module) -> bool:
-    # Importing torch._dynamo costs seconds; if nobody imported it, nothing is compiled.
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
-
-
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
     """Return the plain module inside DDP, DataParallel and ``torch.compile`` wrappers.
 
@@ -126,8 +121,8 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
     while True:
         if isinstance(module, (DistributedDataParallel, DataParallel)):
             module = cast(torch.nn.Module, module.module)
-        elif _is_compiled(module):
-            module = cast(torch.nn.Module, module._orig_mod)  # noqa: SLF001  # torch offers no other handle
+        elif (inner := original_module(module)) is not module:
+            module = inner
         else:
             return module
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
@@ -25,18 +24,9 @@ from stratagem.env import Context
 from stratagem.errors import UsageError
 from stratagem.fields import NoSyncFn, WrapFn
 from stratagem.strategy import Strategy
+from stratagem.training import original_module
 
 __all__ = ["CompiledNoSync", "CompiledWrap", "compiled", "original_module"]
-
-
-def original_module(module: torch.nn.Module) -> torch.nn.Module:
-    """Return the module inside a ``torch.compile`` wrapper, or ``module`` if it is not one."""
-    # Nothing is compiled if nobody imported torch._dynamo: no import for the check.
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
-        inner: torch.nn.Module = module._orig_mod  # noqa: SLF001  # torch offers no other handle
-        return inner
-    return module
 
 
 @contextlib.contextmanager
