@@ -1,4 +1,4 @@
-"""Tasks: tests, lint, typecheck, demo, bench, bench_peers, readme, docs.
+"""Tasks: tests, lint, typecheck, demo, bench, bench_peers, readme, docs, gpu.
 
 Every session that installs torch pins it to the CPU wheel (see `install`).
 """
@@ -135,3 +135,11 @@ def bench_peers(session: nox.Session) -> None:
         "benchmarks.peers",
         *session.posargs,
     )
+
+
+@nox.session(python=PYTHON, venv_params=["--system-site-packages"])
+def gpu(session: nox.Session) -> None:
+    # The one session that must not pin the CPU wheel: it uses the machine's CUDA build of
+    # torch (visible through the system site-packages), or the registry's default one.
+    session.install("-e", ".[testing]")
+    session.run("python", "-m", "benchmarks.gpu_check", *session.posargs)
