@@ -31,7 +31,6 @@ __all__ = [
     "buckets",
     "check_same_layout",
     "flatten",
-    "is_distributed",
     "unflatten",
 ]
 

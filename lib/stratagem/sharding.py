@@ -10,6 +10,7 @@ continues in the middle of an epoch with the batches it would have seen.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
@@ -245,27 +246,25 @@ class ShardedLoader:
 
     def _run(self, progress: _Pass) -> Iterator[Any]:
         self.sampler.set_epoch(progress.epoch)
-        skip = 0
+        batches: Iterator[Any]
         if isinstance(self.sampler, ShardSampler):
             self.sampler.start = progress.start
             if self.loader.generator is not None:
                 # Workers' seeds come from this generator: per epoch, and never from the
                 # global RNG, whose state a resumed run restores.
                 self.loader.generator.manual_seed((self.sampler.seed + progress.epoch) % _SEEDS)
-        elif isinstance(self.sampler, StreamStride):  # global batches the world consumed
-            skip = progress.start // (self.loader.batch_size or 1)
-            for batch in self.sampler.select(self.loader, skip):
-                progress.batches += 1
-                yield batch
-            if self._pass is progress:
-                self._pass = None
-            return
+            batches = iter(self.loader)
+        elif isinstance(self.sampler, StreamStride):  # skips the global batches consumed
+            batches = self.sampler.select(
+                self.loader, progress.start // (self.loader.batch_size or 1)
+            )
         else:  # a user's DistributedSampler cannot skip: its batches are loaded and dropped
-            skip = progress.start // self._positions_per_batch()
-        for index, batch in enumerate(self.loader):
-            if index >= skip:
-                progress.batches += 1
-                yield batch
+            batches = itertools.islice(
+                self.loader, progress.start // self._positions_per_batch(), None
+            )
+        for batch in batches:
+            progress.batches += 1
+            yield batch
         if self._pass is progress:
             self._pass = None
 

@@ -16,6 +16,7 @@ from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
 from stratagem.fields import ForwardFn
 from stratagem.trees import map_tensors
+from stratagem.validators import is_number, require
 
 __all__ = [
     "backward",
@@ -236,15 +237,11 @@ def clip_grad_norm(
             is not a positive number.
     """
     check_module(module, "clip_grad_norm")
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
-        raise UsageError(
-            f"clip_grad_norm: 'max_norm' must be a positive number (got {describe(max_norm)})."
-        )
-    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
-        raise UsageError(
-            f"clip_grad_norm: 'norm_type' must be a positive number, float('inf') for the "
-            f"largest entry (got {describe(norm_type)})."
-        )
+    ok = is_number(max_norm, above=0, finite=False)
+    require(ok, "clip_grad_norm: 'max_norm'", "a positive number", max_norm)
+    ok = is_number(norm_type, above=0, finite=False)
+    what = "a positive number, float('inf') for the largest entry"
+    require(ok, "clip_grad_norm: 'norm_type'", what, norm_type)
     return clip_norm_(list(module.parameters()), max_norm, norm_type)
 
 

@@ -89,9 +89,9 @@ def field(
     wanted = what if optional is None else f"{optional} or {what}"
 
     def validate(instance: Any, attribute: Any, value: Any) -> None:
-        if optional is not None and value is None:
-            return
-        require(ok(value), owner.format(name=attribute.name), wanted, value, hint=hint, error=error)
+        if (optional is not None and value is None) or ok(value):
+            return  # the label is formatted only for a message
+        require(False, owner.format(name=attribute.name), wanted, value, hint=hint, error=error)
 
     return validate
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from stratagem import checkpoint, collectives, training
 from stratagem.arrivals import DEFAULT_TIMEOUT
+from stratagem.collectives import is_distributed
 from stratagem.devices import DeviceSpec, check_device_spec
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError
@@ -36,7 +37,6 @@ from stratagem.replicas import (
     buckets,
     check_same_layout,
     flatten,
-    is_distributed,
     unflatten,
 )
 from stratagem.sharding import shard_loader

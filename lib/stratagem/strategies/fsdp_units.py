@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import attrs
 import torch
 
+from stratagem.collectives import is_distributed
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
-from stratagem.replicas import check_same_layout, is_distributed
+from stratagem.replicas import check_same_layout
 from stratagem.validators import a_bool, callable_field, field, is_int
 
 if TYPE_CHECKING:

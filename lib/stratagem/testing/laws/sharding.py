@@ -143,8 +143,9 @@ def check_shard_partition(
     """
     for name, value in (("size", size), ("batch_size", batch_size), ("epochs", epochs)):
         require(is_int(value, 1), f"check_shard_partition: {name!r}", "a positive int", value)
-    flag = isinstance(iterable, bool)
-    require(flag, "check_shard_partition: 'iterable'", "True or False", iterable)
+    require(
+        isinstance(iterable, bool), "check_shard_partition: 'iterable'", "True or False", iterable
+    )
     ranks = world.world_size if world is not None else world_size
     if size < ranks:
         raise UsageError(
@@ -174,7 +175,7 @@ def check_shard_partition(
             "the same number"
         )
     streams = [result["iterable"] for result in results]
-    if iterable and any(stream is not None for stream in streams):
+    if any(stream is not None for stream in streams):  # None throughout: not run, or refused
         if any(stream is None for stream in streams):
             refused = [rank for rank, stream in enumerate(streams) if stream is None]
             raise broken("an IterableDataset")(
