@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from stratagem.errors import UsageError, describe
@@ -22,11 +24,8 @@ def check_device_spec(device: object, argument: str = "device") -> DeviceSpec:
     if isinstance(device, torch.device) or (isinstance(device, str) and device == "auto"):
         return device
     if isinstance(device, str):
-        try:
+        with contextlib.suppress(RuntimeError):  # not a device name: refused just below
             torch.device(device)
-        except RuntimeError:
-            pass
-        else:
             return device
     raise UsageError(
         f"'{argument}' must be 'auto', a device string such as 'cpu' or 'cuda:0', or a "
@@ -52,14 +51,10 @@ def resolve_device(device: DeviceSpec, local_rank: int = 0) -> torch.device:
             return torch.device("mps")
         return torch.device("cpu")
     resolved = torch.device(device)
-    if resolved.type == "cuda" and not torch.cuda.is_available():
+    available = {"cuda": torch.cuda.is_available, "mps": _mps_available}.get(resolved.type)
+    if available is not None and not available():
         raise UsageError(
-            f"device {str(resolved)!r} was asked for, but CUDA is not available on this "
-            "machine; use device='cpu' or 'auto'."
-        )
-    if resolved.type == "mps" and not _mps_available():
-        raise UsageError(
-            f"device {str(resolved)!r} was asked for, but MPS is not available on this "
-            "machine; use device='cpu' or 'auto'."
+            f"device {str(resolved)!r} was asked for, but {resolved.type.upper()} is not "
+            "available on this machine; use device='cpu' or 'auto'."
         )
     return resolved

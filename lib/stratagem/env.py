@@ -7,7 +7,7 @@ environments without touching ``os.environ``.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Literal, get_args
 
@@ -30,7 +30,6 @@ from stratagem.validators import (
 __all__ = ["Context", "Env", "EnvSource", "check_context", "check_env", "detect_env"]
 
 EnvSource = Literal["single", "torchrun", "slurm", "spawn"]
-_SOURCES: tuple[str, ...] = get_args(EnvSource)
 
 # SLURM job names that mean "an interactive shell", where the user starts processes by hand.
 _INTERACTIVE_JOB_NAMES = frozenset({"bash", "sh", "zsh", "interactive"})
@@ -41,7 +40,7 @@ _SLURM_PORT_SPAN = 20000
 
 _COUNT = non_negative_int("Env.{name}", error=EnvError)
 _POSITIVE = positive_int("Env.{name}", error=EnvError)
-_SOURCE = choice("Env.{name}", _SOURCES, subclasses=True, error=EnvError)
+_SOURCE = choice("Env.{name}", get_args(EnvSource), subclasses=True, error=EnvError)
 _FLAG = a_bool("Env.{name}", error=EnvError)
 _ADDRESS = field(
     lambda v: isinstance(v, str) and v != "",
@@ -85,16 +84,12 @@ class Env:
     agent_store: bool = attrs.field(default=False, validator=_FLAG)
 
     def __attrs_post_init__(self) -> None:
-        if self.rank >= self.world_size:
-            raise EnvError(
-                f"Env.rank must be below world_size (got rank={self.rank}, "
-                f"world_size={self.world_size})."
-            )
-        if self.local_rank >= self.local_world_size:
-            raise EnvError(
-                f"Env.local_rank must be below local_world_size (got local_rank="
-                f"{self.local_rank}, local_world_size={self.local_world_size})."
-            )
+        for name, limit in (("rank", "world_size"), ("local_rank", "local_world_size")):
+            value, bound = getattr(self, name), getattr(self, limit)
+            if value >= bound:
+                raise EnvError(
+                    f"Env.{name} must be below {limit} (got {name}={value}, {limit}={bound})."
+                )
         if self.local_world_size > self.world_size:
             raise EnvError(
                 f"Env.local_world_size must not exceed world_size (got local_world_size="
@@ -120,12 +115,10 @@ def _read_only(extras: object) -> Mapping[str, Any]:
 
 def _as_device(value: object) -> object:
     """Turn a device string (``"cpu"``, ``"cuda:0"``) into a ``torch.device``; leave the rest."""
-    if isinstance(value, str):
-        try:
-            return torch.device(value)
-        except RuntimeError:
-            return value
-    return value
+    try:
+        return torch.device(value) if isinstance(value, str) else value
+    except RuntimeError:
+        return value
 
 
 _CONTEXT_ENV = instance_of(
@@ -244,7 +237,10 @@ def check_env(env: object, function: str) -> Env:
     return env
 
 
-def _int(environ: Mapping[str, str], name: str) -> int:
+def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
+    """Read variable ``name`` as a non-negative int; ``default`` if given and it is not set."""
+    if default is not None and name not in environ:
+        return default
     raw = environ[name]
     try:
         value = int(raw.strip())
@@ -265,12 +261,12 @@ def _require(environ: Mapping[str, str], names: tuple[str, ...], launcher: str) 
         )
 
 
-def _checked(build: Callable[[], Env], variables: Mapping[str, str]) -> Env:
-    """Build an Env, restating a contradiction in terms of the variables that caused it."""
+def _checked(build: Callable[[], Env], environ: Mapping[str, str], names: Sequence[str]) -> Env:
+    """Build an Env, restating a contradiction in terms of the variables (of ``names``) set."""
     try:
         return build()
     except EnvError as error:
-        shown = ", ".join(f"{k}={v!r}" for k, v in variables.items())
+        shown = ", ".join(f"{name}={environ[name]!r}" for name in names if name in environ)
         raise EnvError(f"contradictory environment ({shown}): {error}") from None
 
 
@@ -278,14 +274,10 @@ def _torchrun(environ: Mapping[str, str]) -> Env:
     names = ("RANK", "WORLD_SIZE")
     _require(environ, names, "torchrun")
     rank, world_size = _int(environ, "RANK"), _int(environ, "WORLD_SIZE")
-    local_rank = _int(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else rank
-    if "LOCAL_WORLD_SIZE" in environ:
-        local_world_size = _int(environ, "LOCAL_WORLD_SIZE")
-    else:
-        local_world_size = world_size
-    node_rank = _int(environ, "GROUP_RANK") if "GROUP_RANK" in environ else 0
-    port = _int(environ, "MASTER_PORT") if "MASTER_PORT" in environ else 29500
-    used = {n: environ[n] for n in (*names, "LOCAL_RANK", "LOCAL_WORLD_SIZE") if n in environ}
+    local_rank = _int(environ, "LOCAL_RANK", default=rank)
+    local_world_size = _int(environ, "LOCAL_WORLD_SIZE", default=world_size)
+    node_rank = _int(environ, "GROUP_RANK", default=0)
+    port = _int(environ, "MASTER_PORT", default=29500)
     return _checked(
         lambda: Env(
             rank=rank,
@@ -298,7 +290,8 @@ def _torchrun(environ: Mapping[str, str]) -> Env:
             source="torchrun",
             agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
         ),
-        used,
+        environ,
+        (*names, "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
     )
 
 
@@ -331,9 +324,7 @@ def _slurm_first_host(nodelist: str) -> str:
     if first is None or not first.group(1):
         raise EnvError(f"environment variable SLURM_NODELIST is malformed (got {nodelist!r}).")
     prefix, ranges = first.group(1), first.group(2)
-    if ranges is None:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
+    return prefix if ranges is None else prefix + ranges.split(",")[0].split("-")[0]
 
 
 def _slurm(environ: Mapping[str, str]) -> Env:
@@ -341,7 +332,7 @@ def _slurm(environ: Mapping[str, str]) -> Env:
     _require(environ, names, "SLURM")
     rank, local_rank = _int(environ, "SLURM_PROCID"), _int(environ, "SLURM_LOCALID")
     world_size = _int(environ, "SLURM_NTASKS")
-    node_rank = _int(environ, "SLURM_NODEID") if "SLURM_NODEID" in environ else 0
+    node_rank = _int(environ, "SLURM_NODEID", default=0)
     per_node = environ.get("SLURM_NTASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
     local_world_size = world_size if per_node is None else _slurm_tasks_on_node(per_node, node_rank)
     if "MASTER_PORT" in environ:
@@ -353,9 +344,6 @@ def _slurm(environ: Mapping[str, str]) -> Env:
             "SLURM environment has neither MASTER_PORT nor SLURM_JOB_ID; set MASTER_PORT."
         )
     addr = environ.get("MASTER_ADDR") or _slurm_first_host(environ["SLURM_NODELIST"])
-    used = {
-        n: environ[n] for n in (*names, "SLURM_NODEID", "SLURM_NTASKS_PER_NODE") if n in environ
-    }
     return _checked(
         lambda: Env(
             rank=rank,
@@ -368,14 +356,14 @@ def _slurm(environ: Mapping[str, str]) -> Env:
             source="slurm",
             agent_store=False,
         ),
-        used,
+        environ,
+        (*names, "SLURM_NODEID", "SLURM_NTASKS_PER_NODE"),
     )
 
 
 def _is_slurm_batch(environ: Mapping[str, str]) -> bool:
-    if "SLURM_NTASKS" not in environ and "SLURM_PROCID" not in environ:
-        return False
-    return environ.get("SLURM_JOB_NAME", "") not in _INTERACTIVE_JOB_NAMES
+    in_a_job = "SLURM_NTASKS" in environ or "SLURM_PROCID" in environ
+    return in_a_job and environ.get("SLURM_JOB_NAME", "") not in _INTERACTIVE_JOB_NAMES
 
 
 def detect_env(environ: Mapping[str, str]) -> Env:

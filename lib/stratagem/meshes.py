@@ -7,14 +7,15 @@ imported where it is used, never by ``import stratagem``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import attrs
 
 from stratagem.env import Context, Env, check_env
-from stratagem.errors import UsageError, describe
+from stratagem.errors import UsageError
 from stratagem.fields import SetupFn
 from stratagem.process_group import JoinProcessGroup
+from stratagem.validators import field, is_int, require
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -25,17 +26,12 @@ ShardSize = int | Literal["world", "node"]
 """Ranks per shard group: ``"world"`` (all), ``"node"`` (the ranks of a node), or a number."""
 
 
-def _check_shard_size(value: object) -> None:
-    if isinstance(value, str) and value in ("world", "node"):
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UsageError(
-            f"'shard_size' must be 'world', 'node' or a positive int (got {describe(value)})."
-        )
+def _is_shard_size(value: object) -> bool:
+    return value in ("world", "node") if isinstance(value, str) else is_int(value, 1)
 
 
-def _shard_size(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    _check_shard_size(value)
+_SHARD_SIZES = "'world', 'node' or a positive int"
+_SHARD_SIZE = field(_is_shard_size, "'{name}'", _SHARD_SIZES)
 
 
 def mesh_shape(env: Env, shard_size: ShardSize = "world") -> tuple[int, ...]:
@@ -48,12 +44,10 @@ def mesh_shape(env: Env, shard_size: ShardSize = "world") -> tuple[int, ...]:
         >>> mesh_shape(Env(world_size=8, local_world_size=4), "node")
         (2, 4)
     """
-    _check_shard_size(shard_size)
+    require(_is_shard_size(shard_size), "'shard_size'", _SHARD_SIZES, shard_size)
     world = env.world_size
-    if isinstance(shard_size, int):
-        size = shard_size
-    else:
-        size = world if shard_size == "world" else env.local_world_size
+    by_name = {"world": world, "node": env.local_world_size}
+    size = shard_size if isinstance(shard_size, int) else by_name[shard_size]
     if world % size:
         divisors = [d for d in range(1, world + 1) if world % d == 0]
         what = f"{size} ranks per node" if shard_size == "node" else f"{size} ranks"
@@ -82,7 +76,7 @@ class JoinMesh:
     """Setup field: run ``join`` (join the process group), then add ``ctx.extras["mesh"]``."""
 
     join: SetupFn = attrs.field(factory=JoinProcessGroup)
-    shard_size: ShardSize = attrs.field(default="world", validator=_shard_size)
+    shard_size: ShardSize = attrs.field(default="world", validator=_SHARD_SIZE)
 
     def __call__(self, env: Env) -> Context:
         check_env(env, "setup")

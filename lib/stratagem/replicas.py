@@ -22,8 +22,9 @@ from torch._C._nn import unflatten_dense_tensors as unflatten
 
 from stratagem.collectives import broadcast, gather, is_distributed
 from stratagem.env import Context, check_context
-from stratagem.errors import UsageError, describe
+from stratagem.errors import UsageError
 from stratagem.trees import leaves_in, map_leaves, map_tensors
+from stratagem.validators import is_int, require
 
 __all__ = [
     "broadcast_optimizer_state",
@@ -35,6 +36,7 @@ __all__ = [
 ]
 
 MB = 1024 * 1024  # MiB, as DistributedDataParallel's bucket_cap_mb
+# Broadcasts happen once (wrap, a load): buckets as large as DDP's for its initial sync.
 _BROADCAST_BUCKET_BYTES = 250 * MB
 
 
@@ -125,17 +127,12 @@ def broadcast_optimizer_state(
         UsageError: ``optimizer`` is not an optimizer, ``ctx`` not a `Context`,
             or ``src`` not a rank of this world.
     """
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise UsageError(
-            f"broadcast_optimizer_state: 'optimizer' must be a torch.optim.Optimizer (got "
-            f"{describe(optimizer)})."
-        )
-    check_context(ctx, "broadcast_optimizer_state")
-    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < ctx.world_size:
-        raise UsageError(
-            f"broadcast_optimizer_state: 'src' must be a rank in [0, {ctx.world_size}) "
-            f"(got {describe(src)})."
-        )
+    function = "broadcast_optimizer_state"
+    is_optimizer = isinstance(optimizer, torch.optim.Optimizer)
+    require(is_optimizer, f"{function}: 'optimizer'", "a torch.optim.Optimizer", optimizer)
+    check_context(ctx, function)
+    is_rank = is_int(src, 0) and src < ctx.world_size
+    require(is_rank, f"{function}: 'src'", f"a rank in [0, {ctx.world_size})", src)
     if not is_distributed(ctx):
         return
     tensors: list[torch.Tensor] = []

@@ -54,9 +54,8 @@ class _Accepts:
             signature = inspect.signature(value)
         except (TypeError, ValueError):
             return  # builtins and some C callables hide their signature: trust them
-        dummies = [None] * self.positional
         try:
-            signature.bind(*dummies, **dict.fromkeys(self.keywords))
+            signature.bind(*[None] * self.positional, **dict.fromkeys(self.keywords))
         except TypeError as error:
             raise StrategyFieldError(
                 f"'{name}' must accept the arguments of {expected}, but {value!r} has "

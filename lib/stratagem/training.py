@@ -76,15 +76,10 @@ def check_optimizer(optimizer: object, function: str) -> None:
     Raises:
         UsageError: it lacks ``step``, ``zero_grad`` or ``param_groups``.
     """
-    if not (
-        callable(getattr(optimizer, "step", None))
-        and callable(getattr(optimizer, "zero_grad", None))
-        and hasattr(optimizer, "param_groups")
-    ):
-        raise UsageError(
-            f"{function}: 'optimizer' must be a torch.optim.Optimizer (got "
-            f"{describe(optimizer)}); the arguments are (optimizer, module, ctx)."
-        )
+    can_step = all(callable(getattr(optimizer, name, None)) for name in ("step", "zero_grad"))
+    ok = can_step and hasattr(optimizer, "param_groups")
+    hint = "; the arguments are (optimizer, module, ctx)"
+    require(ok, f"{function}: 'optimizer'", "a torch.optim.Optimizer", optimizer, hint=hint)
 
 
 def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -136,8 +131,7 @@ def to_device(module: torch.nn.Module, ctx: Context) -> torch.nn.Module:
     Raises:
         UsageError: ``module`` is not a ``torch.nn.Module``, or ``ctx`` not a `Context`.
     """
-    if not isinstance(module, torch.nn.Module):
-        raise UsageError(f"wrap: 'module' must be a torch.nn.Module (got {describe(module)}).")
+    require(isinstance(module, torch.nn.Module), "wrap: 'module'", "a torch.nn.Module", module)
     check_context(ctx, "wrap")
     return module.to(ctx.device)
 
@@ -156,15 +150,10 @@ def step(
     """
     check_module(module, "step")
     check_context(ctx, "step")
-    if forward is not None and not callable(forward):
-        raise UsageError(
-            f"step: 'forward' must be None or a function forward(module, batch) (got "
-            f"{describe(forward)})."
-        )
+    what = "None or a function forward(module, batch)"
+    require(forward is None or callable(forward), "step: 'forward'", what, forward)
     batch = move_batch(batch, ctx.device)
-    if forward is None:
-        return module(batch)
-    return forward(module, batch)
+    return module(batch) if forward is None else forward(module, batch)
 
 
 def backward(loss: torch.Tensor, module: torch.nn.Module, ctx: Context) -> None:

@@ -33,6 +33,11 @@ def _mapping(tree: Mapping[Any, Any], items: dict[Any, Any]) -> Mapping[Any, Any
         return items
 
 
+def _init_fields(instance: Any) -> dict[str, Any]:
+    """Return the fields of a dataclass instance that ``dataclasses.replace`` takes, by name."""
+    return {f.name: getattr(instance, f.name) for f in dataclasses.fields(instance) if f.init}
+
+
 def map_leaves(fn: Callable[[T], Any], tree: Any, kind: type[T]) -> Any:
     """Return ``tree`` with every leaf of type ``kind`` replaced by ``fn(leaf)``.
 
@@ -58,11 +63,7 @@ def map_leaves(fn: Callable[[T], Any], tree: Any, kind: type[T]) -> Any:
     if isinstance(tree, Mapping):
         return _mapping(tree, {k: map_leaves(fn, v, kind) for k, v in tree.items()})
     if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        changes = {
-            f.name: map_leaves(fn, getattr(tree, f.name), kind)
-            for f in dataclasses.fields(tree)
-            if f.init
-        }
+        changes = {name: map_leaves(fn, v, kind) for name, v in _init_fields(tree).items()}
         return dataclasses.replace(tree, **changes)
     return tree
 
@@ -86,9 +87,8 @@ def leaves_in(tree: Any, kind: type[T]) -> Iterator[T]:
         for value in tree.values():
             yield from leaves_in(value, kind)
     elif dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        for field in dataclasses.fields(tree):
-            if field.init:
-                yield from leaves_in(getattr(tree, field.name), kind)
+        for value in _init_fields(tree).values():
+            yield from leaves_in(value, kind)
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:

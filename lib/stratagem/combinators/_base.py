@@ -130,9 +130,5 @@ def root_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 
 def gradients(optimizer: Any) -> list[torch.Tensor]:
     """Every gradient the optimizer will apply."""
-    return [
-        p.grad
-        for group in root_optimizer(optimizer).param_groups
-        for p in group["params"]
-        if p.grad is not None
-    ]
+    params = (p for group in root_optimizer(optimizer).param_groups for p in group["params"])
+    return [p.grad for p in params if p.grad is not None]

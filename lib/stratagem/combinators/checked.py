@@ -146,10 +146,8 @@ class CheckedReduce:
 
     def __call__(self, tensor: torch.Tensor, op: ReduceOp, ctx: Context) -> torch.Tensor:
         if _distributed(ctx, "reduce"):
-            shape, dtype = _described(tensor)
-            _agree(
-                Fingerprint("reduce", str(op), shape, dtype, _call_site()), ctx, self.compare_sites
-            )
+            fingerprint = Fingerprint("reduce", str(op), *_described(tensor), _call_site())
+            _agree(fingerprint, ctx, self.compare_sites)
         return self.inner(tensor, op, ctx)
 
 
@@ -162,8 +160,8 @@ class CheckedGather:
 
     def __call__(self, tensor: torch.Tensor, ctx: Context) -> torch.Tensor:
         if _distributed(ctx, "gather"):
-            shape, dtype = _described(tensor)
-            _agree(Fingerprint("gather", "", shape, dtype, _call_site()), ctx, self.compare_sites)
+            fingerprint = Fingerprint("gather", "", *_described(tensor), _call_site())
+            _agree(fingerprint, ctx, self.compare_sites)
         return self.inner(tensor, ctx)
 
 

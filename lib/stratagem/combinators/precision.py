@@ -40,10 +40,6 @@ _DTYPES = {
 }
 
 
-def _dtype(precision: str) -> torch.dtype:
-    return _DTYPES[precision]
-
-
 def _mixed(precision: str) -> bool:
     return precision.endswith("-mixed")
 
@@ -107,7 +103,7 @@ class PrecisionWrap:
 
     def __call__(self, module: torch.nn.Module, ctx: Context) -> torch.nn.Module:
         if not _mixed(self.precision) and isinstance(module, torch.nn.Module):
-            module = module.to(_dtype(self.precision))
+            module = module.to(_DTYPES[self.precision])
         return self.inner(module, ctx)
 
 
@@ -127,7 +123,7 @@ class PrecisionStep:
         self, module: torch.nn.Module, batch: Any, ctx: Context, *, forward: ForwardFn | None = None
     ) -> Any:
         check_context(ctx, "step")
-        dtype = _dtype(self.precision)
+        dtype = _DTYPES[self.precision]
         if _mixed(self.precision):
             with torch.autocast(ctx.device.type, dtype=dtype):
                 return self.inner(module, batch, ctx, forward=forward)
@@ -198,7 +194,7 @@ def _with_fsdp_policy(wrap: Any, precision: str, name: str) -> Any:
 
         # Parameters gathered and computed in the low precision; gradients reduced in float32,
         # so the sum over ranks loses nothing and the sharded gradients stay float32.
-        policy = MixedPrecisionPolicy(param_dtype=_dtype(precision), reduce_dtype=torch.float32)
+        policy = MixedPrecisionPolicy(param_dtype=_DTYPES[precision], reduce_dtype=torch.float32)
         return attrs.evolve(wrap, mp_policy=policy)
     inner = getattr(wrap, "inner", None)
     if inner is None or not attrs.has(type(wrap)):

@@ -141,10 +141,7 @@ class ListSink:
 
 
 def _rank(args: tuple[Any, ...]) -> int | None:
-    for value in args:
-        if isinstance(value, (Context, Env)):
-            return value.rank
-    return None
+    return next((value.rank for value in args if isinstance(value, (Context, Env))), None)
 
 
 @attrs.frozen

@@ -59,8 +59,6 @@ Compression = Literal["bf16", "fp16"]
 COMPRESSIONS: tuple[Compression, ...] = ("bf16", "fp16")
 _WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
-# Broadcasts happen once (wrap, a load): buckets as large as DDP's for its initial sync.
-
 
 def broadcast_module(module: torch.nn.Module, ctx: Context) -> torch.nn.Module:
     """Wrap field: move ``module`` to the device and copy rank 0's parameters and buffers to all.
@@ -125,9 +123,7 @@ def average_gradients(
             )
         grads.append(grad)
     # Which parameters have a gradient on any rank (MAX of 0/1 flags), sent alongside the buckets.
-    present = torch.ones(len(params), dtype=torch.uint8)
-    present[torch.tensor(missing, dtype=torch.long)] = 0
-    present = present.to(ctx.device)
+    present = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8).to(ctx.device)
     present_work = dist.all_reduce(present, op=dist.ReduceOp.MAX, group=ctx.group, async_op=True)
     wire = None if compression is None else _WIRE_DTYPES[compression]
     pending = []

@@ -22,6 +22,7 @@ from stratagem.launching import in_place
 from stratagem.process_group import leave
 from stratagem.sharding import keep_loader
 from stratagem.strategy import Strategy
+from stratagem.validators import is_int
 
 __all__ = ["UseDataParallelDevices", "WrapDataParallel", "dp"]
 
@@ -30,11 +31,7 @@ def _device_ids(value: object) -> tuple[int, ...] | None:
     if value is None:
         return None
     ids = tuple(value) if isinstance(value, Sequence) and not isinstance(value, str) else None
-    if (
-        not ids
-        or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids)
-        or len(set(ids)) != len(ids)
-    ):
+    if not ids or not all(is_int(i, 0) for i in ids) or len(set(ids)) != len(ids):
         raise UsageError(
             f"'device_ids' must be None (every GPU) or a non-empty list of distinct GPU "
             f"indices, e.g. [0, 1] (got {describe(value)})."

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -103,7 +102,7 @@ def _gradient_sync_off(module: Any) -> Iterator[None]:
         module.set_requires_gradient_sync(True)
 
 
-def fsdp_no_sync(module: torch.nn.Module, ctx: Context) -> AbstractContextManager[None]:
+def fsdp_no_sync(module: torch.nn.Module, ctx: Context) -> contextlib.AbstractContextManager[None]:
     """No-sync field: ``set_requires_gradient_sync(False)`` inside, ``True`` again on exit.
 
     Gradients accumulate unsharded on each rank until a backward outside the context.

@@ -22,7 +22,7 @@ from stratagem.collectives import is_distributed
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
 from stratagem.replicas import check_same_layout
-from stratagem.validators import a_bool, callable_field, field, is_int
+from stratagem.validators import a_bool, callable_field, field, is_int, non_negative_int, require
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -85,11 +85,7 @@ def every_module_of(*types: type[torch.nn.Module]) -> EveryModuleOf:
     return EveryModuleOf(types)
 
 
-def _count(instance: object, attribute: attrs.Attribute[int], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise UsageError(
-            f"above_parameters: 'count' must be a non-negative int (got {describe(value)})."
-        )
+_COUNT = non_negative_int("above_parameters: '{name}'")
 
 
 def _unsharded_numel(module: torch.nn.Module) -> int:
@@ -114,7 +110,7 @@ class AboveParameters:
     size-based policy, so parents of sharded blocks stay in the root's group.
     """
 
-    count: int = attrs.field(validator=_count)
+    count: int = attrs.field(validator=_COUNT)
 
     def __call__(self, module: torch.nn.Module) -> bool:
         return _unsharded_numel(module) > self.count
@@ -214,8 +210,7 @@ class WrapFSDP:
     def __call__(self, module: torch.nn.Module, ctx: Context) -> torch.nn.Module:
         from torch.distributed.fsdp import fully_shard
 
-        if not isinstance(module, torch.nn.Module):
-            raise UsageError(f"wrap: 'module' must be a torch.nn.Module (got {describe(module)}).")
+        require(isinstance(module, torch.nn.Module), "wrap: 'module'", "a torch.nn.Module", module)
         if is_sharded(module):
             raise UsageError(
                 f"wrap: {type(module).__name__} is already sharded; wrap the plain module once."
@@ -234,11 +229,10 @@ class WrapFSDP:
             options["reshard_after_forward"] = self.reshard_after_forward
         if self.mp_policy is not None:
             options["mp_policy"] = self.mp_policy
-        policy = self.mp_policy
-        if policy is not None and policy.param_dtype not in (None, torch.float32):
+        if self.mp_policy is not None and self.mp_policy.param_dtype not in (None, torch.float32):
             # BatchNorm keeps float32 statistics, which batch_norm does not mix with a
             # low-precision weight: each one is a group of its own, computed in float32.
-            exact = dataclasses.replace(policy, param_dtype=torch.float32)
+            exact = dataclasses.replace(self.mp_policy, param_dtype=torch.float32)
             for norm in [m for m in _bottom_up(module) if isinstance(m, _BATCH_NORMS)]:
                 fully_shard(norm, **{**options, "mp_policy": exact})
         if self.shard_when is not None:

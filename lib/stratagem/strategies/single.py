@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import TypeVar
-
 import attrs
 import torch
 
@@ -17,8 +15,6 @@ from stratagem.sharding import keep_loader
 from stratagem.strategy import Strategy
 
 __all__ = ["UseDevice", "keep_loader", "leave", "single_device"]
-
-T = TypeVar("T")
 
 
 @attrs.frozen
