@@ -11,6 +11,7 @@ from pathlib import Path
 from benchmarks import (
     allreduce_step,
     checked_cost,
+    checkpoint_checksums,
     compiled_step,
     ddp_step,
     fsdp_step,
@@ -35,6 +36,7 @@ BENCHMARKS: dict[str, Callable[[bool], report.Result]] = {
         allreduce_step,
         compiled_step,
         launch_startup,
+        checkpoint_checksums,
     )
 }
 RESULTS = Path(__file__).resolve().parent / "results"

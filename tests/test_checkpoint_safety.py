@@ -10,6 +10,7 @@ import io
 import json
 import os
 import pickle
+import zlib
 from pathlib import Path
 
 import pytest
@@ -58,15 +59,18 @@ def fresh() -> dict[str, object]:
 
 
 def resize_in_manifest(path: Path) -> None:
-    """Make the manifest agree with edited files, as an attacker would."""
+    """Make the manifest agree with edited files (sizes and checksums), as an attacker would."""
     manifest = json.loads((path / MANIFEST).read_text())
     manifest["files"] = {name: (path / name).stat().st_size for name in manifest["files"]}
+    manifest["checksums"] = {
+        name: zlib.crc32((path / name).read_bytes()) for name in manifest.get("checksums", {})
+    }
     (path / MANIFEST).write_text(json.dumps(manifest))
 
 
 def saved(tmp_path: Path, ctx: sg.Context) -> Path:
     path = tmp_path / "ckpt"
-    sg.checkpoint.save(path, trained(), ctx)
+    sg.checkpoint.save(path, trained(), ctx, checksums=True)  # the attacker rewrites them too
     return path
 
 
@@ -93,7 +97,7 @@ def test_a_metadata_file_replaced_by_a_malicious_pickle_is_refused(tmp_path, ctx
 
 def test_a_payload_hidden_inside_real_metadata_is_refused(tmp_path, ctx):
     path = saved(tmp_path, ctx)
-    metadata = directory.read_metadata(path)
+    metadata = directory.read_metadata(directory.Found(path, {}))
     metadata.storage_meta = Payload()  # deep inside an otherwise valid object
     (path / ".metadata").write_bytes(pickle.dumps(metadata))
     resize_in_manifest(path)

@@ -18,6 +18,7 @@ from typing import Any, cast
 
 import attrs
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
@@ -33,11 +34,11 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from stratagem.checkpoint.directory import refusal, unreadable
+from stratagem.checkpoint.directory import Found, checksum, refusal, unreadable
 from stratagem.env import Context
 from stratagem.errors import CheckpointError
 
-__all__ = ["check_storage", "read", "read_values", "write"]
+__all__ = ["check_storage", "checksums", "read", "read_values", "write"]
 
 
 @contextlib.contextmanager
@@ -185,15 +186,42 @@ def check_storage(directory: Path, metadata: Metadata, sizes: dict[str, int]) ->
             )
 
 
+def checksums(directory: Path, ctx: Context) -> dict[str, int]:
+    """Return the CRC-32 of every file in ``directory``, each computed by the rank that wrote it.
+
+    Rank ``r`` writes the files ``__r_*``, rank 0 also ``.metadata``; rank 0
+    reads whatever no rank claimed. Every rank returns all of them, and none
+    returns before every rank has written its files.
+    """
+    mine = sorted(directory.glob(f"__{ctx.rank}_*")) + (
+        [directory / ".metadata"] if ctx.rank == 0 else []
+    )
+    sums: dict[str, int] = {}
+    for path in mine:
+        with open(path, "rb") as file:
+            sums[path.name] = checksum(file)
+    if ctx.group is not None and ctx.world_size > 1:
+        parts: list[Any] = [None] * ctx.world_size
+        dist.all_gather_object(parts, sums, group=ctx.group)
+        sums = {name: value for part in parts for name, value in part.items()}
+    if ctx.rank == 0:
+        for path in sorted(directory.iterdir()):
+            if path.is_file() and path.name not in sums:
+                with open(path, "rb") as file:
+                    sums[path.name] = checksum(file)
+    return sums
+
+
 def read(
-    directory: Path, metadata: Metadata, state_dict: dict[str, Any], ctx: Context, *, partial: bool
+    found: Found, metadata: Metadata, state_dict: dict[str, Any], ctx: Context, *, partial: bool
 ) -> None:
-    """Fill ``state_dict`` (tensors in place, other values replaced) from ``directory``.
+    """Fill ``state_dict`` (tensors in place, other values replaced) from ``found``'s files.
 
     Raises:
         CheckpointError: a file could not be read, or a value was refused.
     """
-    reader = _VettedReader(FileSystemReader(directory), metadata)
+    directory = found.directory
+    reader = _VettedReader(FileSystemReader(found.files), metadata)
     planner = _SafePlanner(DefaultLoadPlanner(allow_partial_load=partial))
     try:
         with _world_of_one(ctx):
@@ -225,7 +253,7 @@ def _get(tree: dict[str, Any], path: tuple[str, ...]) -> Any:
 
 
 def read_values(
-    directory: Path, metadata: Metadata, blobs: set[tuple[str, ...]], ctx: Context
+    found: Found, metadata: Metadata, blobs: set[tuple[str, ...]], ctx: Context
 ) -> dict[tuple[str, ...], Any]:
     """Read every non-tensor item, and the uint8 tensors at the key paths ``blobs``.
 
@@ -256,5 +284,5 @@ def read_values(
         _insert(template, path, leaf)
         paths.append(path)
     if paths:
-        read(directory, metadata, template, ctx, partial=False)
+        read(found, metadata, template, ctx, partial=False)
     return {path: _get(template, path) for path in paths}

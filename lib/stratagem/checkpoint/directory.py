@@ -16,6 +16,15 @@ A save commits in three renames and removals, each safe to interrupt:
    to ``path``;
 3. remove ``path.old-T`` (its manifest first), then leftovers of earlier saves.
 
+One save at a time writes to a path: rank 0 holds an exclusive ``flock`` on
+``path.lock`` (it names the owner) from before step 1 to after step 3, and a
+second save is refused; the kernel drops the lock of a process that dies, so
+a crashed save never blocks the next. A load holds the files of the version
+it opened (Linux: reopened through ``/proc/self/fd``), so a save committing
+meanwhile cannot give it another version's files. Symbolic links are never
+followed when listing or removing checkpoints: one where a checkpoint is
+listed is skipped, and a save whose path is a link is refused.
+
 A crash in 1 leaves ``path`` untouched. A crash between the two renames of 2
 leaves no ``path``, and `resolve` then finds the previous checkpoint at
 ``path.old-T``: loading gives the previous checkpoint until a later save
@@ -33,14 +42,19 @@ modules and optimizers) are stored as ``torch.save`` bytes and read back with
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import io
 import json
 import os
 import pickle
 import re
 import shutil
+import socket
 import stat
+import tempfile
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
@@ -58,11 +72,14 @@ __all__ = [
     "FORMAT",
     "MANIFEST",
     "Found",
+    "abandon",
+    "begin",
     "commit",
     "decode",
     "discard",
     "encode",
     "latest",
+    "pinned",
     "read_metadata",
     "refusal",
     "resolve",
@@ -74,6 +91,11 @@ FORMAT = "stratagem-checkpoint/2"
 MANIFEST = "stratagem.json"
 _TMP = ".tmp-"
 _OLD = ".old-"
+_LOCK = ".lock"
+_MAX_MANIFEST = 64 << 20  # bytes; a manifest lists names and sizes, never data
+_CHUNK = 1 << 22  # bytes read at a time for a checksum
+# Reopening an open file by its /proc name pins a version's files (Linux only).
+_PINNING = Path("/proc/self/fd").is_dir()
 
 
 def _ignore(stage: str) -> None:
@@ -88,10 +110,15 @@ stage_hook: Callable[[str], None] = _ignore
 
 @attrs.frozen
 class Found:
-    """A complete checkpoint: its directory and its manifest."""
+    """A complete checkpoint: its directory and its manifest.
+
+    ``files`` is where its files are read from: the directory, or, while
+    `pinned`, a private folder of links to the files this process holds open.
+    """
 
     directory: Path
     manifest: dict[str, Any]
+    files: Path = attrs.field(default=attrs.Factory(lambda self: self.directory, takes_self=True))
 
 
 def temporary(target: Path, token: str) -> Path:
@@ -122,43 +149,128 @@ def unreadable(directory: Path, what: str) -> CheckpointError:
     return CheckpointError(f"load: {os.fspath(directory)!r} is not a readable checkpoint: {what}.")
 
 
-def read_manifest(directory: Path) -> dict[str, Any]:
+def _read_small(path: Path, limit: int) -> bytes:
+    """Read a regular file of at most ``limit`` bytes, never through a link, never blocking."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as file:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        if status.st_size > limit:
+            raise OSError(errno.EFBIG, f"{status.st_size} bytes, more than {limit}")
+        return file.read(limit + 1)[:limit]
+
+
+def read_manifest(directory: Path, shown: Path | None = None) -> dict[str, Any]:
     """Return the manifest of a complete checkpoint, after checking every file it lists.
 
+    Errors name ``shown`` (default ``directory``): ``directory`` may be a
+    ``/proc`` name of a directory this process holds open.
+
     Raises:
-        CheckpointError: no manifest, a malformed one, or a listed file that is
-            missing or has another size than when it was written (truncated).
+        CheckpointError: no manifest, a malformed one (or not a regular file,
+            or too large), or a listed file that is missing or has another
+            size than when it was written (truncated).
     """
+    named = directory if shown is None else shown
     try:
-        text = (directory / MANIFEST).read_text(encoding="utf-8")
+        text = _read_small(directory / MANIFEST, _MAX_MANIFEST).decode("utf-8")
     except FileNotFoundError:
-        raise unreadable(directory, f"it has no {MANIFEST} (not a stratagem checkpoint)") from None
+        raise unreadable(named, f"it has no {MANIFEST} (not a stratagem checkpoint)") from None
+    except (OSError, UnicodeDecodeError) as error:  # a link, a FIFO, a device, huge or not text
+        reason = error.strerror if isinstance(error, OSError) else "not UTF-8 text"
+        raise unreadable(named, f"{MANIFEST} is not a manifest ({reason})") from None
     try:
         manifest = json.loads(text)
     except ValueError as error:
-        raise unreadable(directory, f"{MANIFEST} is not valid JSON ({error})") from None
+        raise unreadable(named, f"{MANIFEST} is not valid JSON ({error})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise unreadable(directory, f"{MANIFEST} does not describe a {FORMAT} checkpoint")
+        raise unreadable(named, f"{MANIFEST} does not describe a {FORMAT} checkpoint")
     if not isinstance(manifest.get("saved_at_ns"), int):
-        raise unreadable(directory, f"{MANIFEST} does not say when it was saved")
+        raise unreadable(named, f"{MANIFEST} does not say when it was saved")
     files = manifest.get("files")
     if not isinstance(files, dict) or ".metadata" not in files:
-        raise unreadable(directory, f"{MANIFEST} lists no files")
+        raise unreadable(named, f"{MANIFEST} lists no files")
+    checksums = manifest.get("checksums", {})
+    if not isinstance(checksums, dict) or not all(
+        name in files and isinstance(value, int) for name, value in checksums.items()
+    ):
+        raise unreadable(named, f"{MANIFEST} has malformed checksums")
     for name, size in files.items():
         if not isinstance(name, str) or "/" in name or "\\" in name or name in {"", ".", ".."}:
-            raise unreadable(directory, f"{MANIFEST} lists a file outside it ({name!r})")
+            raise unreadable(named, f"{MANIFEST} lists a file outside it ({name!r})")
         try:
             status = (directory / name).lstat()
         except FileNotFoundError:
-            raise unreadable(directory, f"{name} is missing") from None
+            raise unreadable(named, f"{name} is missing") from None
         if not stat.S_ISREG(status.st_mode):
-            raise unreadable(directory, f"{name} is not a regular file")
+            raise unreadable(named, f"{name} is not a regular file")
         actual = status.st_size
         if actual != size:
-            raise unreadable(
-                directory, f"{name} has {actual} bytes, {size} when written (truncated?)"
-            )
+            raise unreadable(named, f"{name} has {actual} bytes, {size} when written (truncated?)")
     return manifest
+
+
+def checksum(file: Any) -> int:
+    """Return the CRC-32 of an open binary file, read from its start."""
+    file.seek(0)
+    value = 0
+    while chunk := file.read(_CHUNK):
+        value = zlib.crc32(chunk, value)
+    return value
+
+
+def verify(found: Found) -> None:
+    """Check every file the manifest has a checksum for (checkpoints saved with ``checksums``).
+
+    Raises:
+        CheckpointError: a file's bytes changed since it was written (a flipped bit).
+    """
+    for name, expected in found.manifest.get("checksums", {}).items():
+        with open(found.files / name, "rb") as file:
+            if checksum(file) != expected:
+                raise unreadable(
+                    found.directory,
+                    f"{name} does not match the checksum written with it (its bytes changed "
+                    "since the save: a disk or copy error); load an earlier checkpoint",
+                )
+
+
+@contextlib.contextmanager
+def pinned(directory: Path) -> Iterator[Found]:
+    """Inside, read the checkpoint in ``directory`` through files this process holds open.
+
+    A save may meanwhile rename the directory aside and remove it: reads still
+    get this version's bytes, never the next version's. Without
+    ``/proc/self/fd`` (not Linux) the directory is read by its name.
+
+    Raises:
+        FileNotFoundError: ``directory`` (or one of its files) is gone (a save replaced it).
+        CheckpointError: it is not a complete checkpoint.
+    """
+    if not _PINNING:
+        yield Found(directory, read_manifest(directory))
+        return
+    try:
+        directory_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except NotADirectoryError:
+        raise unreadable(directory, "it is a file; a checkpoint is a directory") from None
+    with contextlib.ExitStack() as held:
+        held.callback(os.close, directory_fd)
+        opened = Path(f"/proc/self/fd/{directory_fd}")
+        view = Path(tempfile.mkdtemp(prefix="stratagem-load-"))
+        held.callback(shutil.rmtree, view, ignore_errors=True)
+        try:
+            manifest = read_manifest(opened, shown=directory)
+            for name in manifest["files"]:
+                fd = os.open(opened / name, os.O_RDONLY | os.O_NOFOLLOW)
+                held.callback(os.close, fd)
+                (view / name).symlink_to(f"/proc/self/fd/{fd}")
+        except (CheckpointError, FileNotFoundError):
+            if not (opened / MANIFEST).exists():  # a save is removing this version: gone
+                raise FileNotFoundError(f"load: {os.fspath(directory)!r} was removed") from None
+            raise
+        yield Found(directory, manifest, files=view)
 
 
 def _is_checkpoint(directory: Path) -> bool:
@@ -172,7 +284,9 @@ def _is_checkpoint(directory: Path) -> bool:
 def _siblings(target: Path, marker: str) -> list[Path]:
     prefix = f"{target.name}{marker}"
     with contextlib.suppress(FileNotFoundError):
-        return [p for p in target.parent.iterdir() if p.name.startswith(prefix)]
+        return [
+            p for p in target.parent.iterdir() if p.name.startswith(prefix) and not p.is_symlink()
+        ]
     return []
 
 
@@ -202,7 +316,13 @@ def resolve(target: Path) -> Found:
 
 
 def discard(directory: Path) -> None:
-    """Remove a checkpoint directory, its manifest first, so a partial removal is never read."""
+    """Remove a checkpoint directory, its manifest first, so a partial removal is never read.
+
+    A symbolic link is never followed: the link goes, what it points at stays.
+    """
+    if directory.is_symlink():
+        directory.unlink()
+        return
     with contextlib.suppress(FileNotFoundError):
         (directory / MANIFEST).unlink()
     stage_hook("discarding")
@@ -210,6 +330,11 @@ def discard(directory: Path) -> None:
 
 
 def _replaceable(target: Path) -> None:
+    if target.is_symlink():
+        raise CheckpointError(
+            f"save: {os.fspath(target)!r} is a symbolic link; a save replaces the directory at "
+            "its path and never writes through a link. Save to the directory it points at."
+        )
     if not target.exists():
         return
     if target.is_dir() and (not any(target.iterdir()) or _is_checkpoint(target)):
@@ -220,42 +345,128 @@ def _replaceable(target: Path) -> None:
     )
 
 
+# The lock each save to a path holds, by its temporary directory (rank 0 only).
+_held: dict[Path, int] = {}
+
+
+def _lock_path(target: Path) -> Path:
+    return target.with_name(f"{target.name}{_LOCK}")
+
+
+def _claim(target: Path) -> int:
+    """Take the exclusive lock of saves to ``target``, or say who holds it.
+
+    Raises:
+        CheckpointError: another live process holds it.
+    """
+    lock = _lock_path(target)
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "unknown"
+            os.close(fd)
+            raise CheckpointError(
+                f"save: another save to {os.fspath(target)!r} is writing it ({owner}); two "
+                "saves to one path would overwrite each other's files. Let it finish, or save "
+                "to another path."
+            ) from None
+        # The holder before us may have removed the file after we opened it: lock the one at
+        # the path, or two savers would each hold a lock of their own.
+        if os.path.samestat(os.fstat(fd), os.stat(lock, follow_symlinks=False)):
+            break
+        os.close(fd)
+    owner = f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%H:%M:%S')}"
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, owner.encode(), 0)
+    return fd
+
+
+def begin(target: Path, token: str) -> Path:
+    """Lock saves to ``target`` and make the directory this one writes to (rank 0).
+
+    Raises:
+        CheckpointError: another save to ``target`` is running, or ``target``
+            is a link or holds something other than a checkpoint.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd = _claim(target)
+    try:
+        _replaceable(target)
+        tmp = temporary(target, token)
+        tmp.mkdir()
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            _lock_path(target).unlink()
+        os.close(fd)
+        raise
+    _held[tmp] = fd
+    return tmp
+
+
+def _release(tmp: Path, target: Path) -> None:
+    fd = _held.pop(tmp, None)
+    if fd is not None:
+        # Removed while still locked: a saver that opened it meanwhile sees it is gone.
+        with contextlib.suppress(FileNotFoundError):
+            _lock_path(target).unlink()
+        os.close(fd)
+
+
+def abandon(tmp: Path, target: Path) -> None:
+    """Remove a save's temporary directory and unlock ``target`` (rank 0, after a failure)."""
+    try:
+        discard(tmp)
+    finally:
+        _release(tmp, target)
+
+
 def commit(tmp: Path, target: Path, manifest: dict[str, Any], keep_last: int | None) -> None:
     """Write the manifest into ``tmp``, rename ``tmp`` to ``target`` (rank 0, once all ranks wrote).
+
+    Leftovers of earlier saves (none of them live: this save holds the lock) go
+    afterwards, and the lock with them.
 
     Raises:
         CheckpointError: ``target`` exists and is not a checkpoint (it is never replaced).
     """
-    _replaceable(target)
-    manifest = {
-        **manifest,
-        "format": FORMAT,
-        "saved_at_ns": time.time_ns(),
-        "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()},
-    }
-    _write_manifest(tmp, manifest)
-    stage_hook("manifest")
-    aside = None
-    if target.exists():
-        aside = target.with_name(f"{target.name}{_OLD}{tmp.name.rsplit(_TMP, 1)[1]}")
-        os.rename(target, aside)
-        stage_hook("moved-aside")
     try:
-        os.rename(tmp, target)
-    except BaseException:
-        if aside is not None:
-            os.rename(aside, target)  # put the previous checkpoint back
-        raise
-    _fsync_directory(target.parent)
-    stage_hook("committed")
-    for leftover in [*_siblings(target, _OLD), *_siblings(target, _TMP)]:
-        discard(leftover)
-    if keep_last is not None:
-        _prune(target, keep_last)
+        _replaceable(target)
+        manifest = {
+            **manifest,
+            "format": FORMAT,
+            "saved_at_ns": time.time_ns(),
+            "version": tmp.name.rsplit(_TMP, 1)[1],
+            "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()},
+        }
+        _write_manifest(tmp, manifest)
+        stage_hook("manifest")
+        aside = None
+        if target.exists():
+            aside = target.with_name(f"{target.name}{_OLD}{manifest['version']}")
+            os.rename(target, aside)
+            stage_hook("moved-aside")
+        try:
+            os.rename(tmp, target)
+        except BaseException:
+            if aside is not None:
+                os.rename(aside, target)  # put the previous checkpoint back
+            raise
+        _fsync_directory(target.parent)
+        stage_hook("committed")
+        for leftover in [*_siblings(target, _OLD), *_siblings(target, _TMP)]:
+            discard(leftover)
+        if keep_last is not None:
+            _prune(target, keep_last)
+    finally:
+        _release(tmp, target)
 
 
 def _checkpoints_in(directory: Path) -> Iterator[Found]:
     for child in sorted(directory.iterdir()):
+        if child.is_symlink():  # a `latest` link, a link to another run: never listed or pruned
+            continue
         if child.is_dir() and _TMP not in child.name and _OLD not in child.name:
             with contextlib.suppress(CheckpointError):
                 yield Found(child, read_manifest(child))
@@ -288,7 +499,7 @@ def latest(directory: str | os.PathLike[str]) -> Path | None:
     found = list(_checkpoints_in(parent))
     for child in parent.iterdir():
         base = child.with_name(child.name.rsplit(_OLD, 1)[0])
-        if _OLD in child.name and not base.exists():
+        if _OLD in child.name and not child.is_symlink() and not base.exists():
             with contextlib.suppress(CheckpointError, FileNotFoundError):
                 found.append(Found(base, resolve(base).manifest))
     newest = max(found, key=lambda f: f.manifest["saved_at_ns"], default=None)
@@ -343,8 +554,8 @@ def refusal(error: Exception) -> str:
     return f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
 
 
-def read_metadata(directory: Path) -> Metadata:
-    """Read DCP's ``.metadata`` of ``directory``, resolving only the classes metadata is made of.
+def read_metadata(found: Found) -> Metadata:
+    """Read DCP's ``.metadata`` of ``found``, resolving only the classes metadata is made of.
 
     Raises:
         CheckpointError: the file names any other class or function (a
@@ -352,7 +563,8 @@ def read_metadata(directory: Path) -> Metadata:
     """
     from torch.distributed.checkpoint.metadata import Metadata
 
-    with open(directory / ".metadata", "rb") as file:
+    directory = found.directory
+    with open(found.files / ".metadata", "rb") as file:
         # The pure-Python unpickler looks find_class up on the instance, so it is
         # restricted without a subclass (house rule: no subclassing outside Protocols).
         unpickler = pickle._Unpickler(file)  # noqa: SLF001

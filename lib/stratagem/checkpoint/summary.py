@@ -18,7 +18,7 @@ from stratagem.checkpoint.saving import (
     checked_path,
     decoded,
     layout_of,
-    open_checkpoint,
+    opened,
 )
 from stratagem.env import Context, Env
 from stratagem.trees import map_tensors
@@ -147,12 +147,12 @@ def describe(path: str | os.PathLike[str]) -> Description:
 
     from stratagem.checkpoint import dcp_files
 
-    found, metadata = open_checkpoint(checked_path(path, "describe"))
-    kinds: dict[str, Kind] = found.manifest["entries"]
-    world = found.manifest["world_size"]
-    blobs = blob_paths(kinds, world)
     alone = Context(env=Env(), device=torch.device("cpu"))
-    stored = dcp_files.read_values(found.directory, metadata, blobs, alone)
+    with opened(checked_path(path, "describe"), alone) as (found, metadata):
+        kinds: dict[str, Kind] = found.manifest["entries"]
+        world = found.manifest["world_size"]
+        blobs = blob_paths(kinds, world)
+        stored = dcp_files.read_values(found, metadata, blobs, alone)
     tensors, values = {}, {}
     for name, items in layout_of(metadata).items():
         for key, item in items.items():
