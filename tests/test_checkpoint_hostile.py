@@ -225,3 +225,36 @@ def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(tmp_path, case):
     assert result["left"] == [], "the failed save left files behind"
     if case == "manifest":
         assert "written" in result["stages"] and "manifest" not in result["stages"], result
+
+
+# ------------------------------------------------------------------------------- two ranks
+
+
+def save_flip_and_load(strategy, ctx, path: str) -> tuple[list[str], str]:
+    """fsdp on 2 ranks: save with checksums, flip a bit in rank 1's file, load on both."""
+    torch.manual_seed(0)
+    model = strategy.wrap(torch.nn.Linear(64, 64), ctx)
+    sg.checkpoint.save(path, {"model": model}, ctx, checksums=True)
+    names = sorted(json.loads((Path(path) / directory.MANIFEST).read_text())["checksums"])
+    sg.collectives.barrier(ctx)
+    if ctx.rank == 0:
+        data = Path(path) / "__1_0.distcp"
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        data.write_bytes(bytes(raw))
+    sg.collectives.barrier(ctx)
+    try:
+        sg.checkpoint.load(path, {"model": model}, ctx)
+    except CheckpointError as error:
+        return names, str(error)
+    return names, "loaded"
+
+
+@pytest.mark.slow
+def test_checksums_on_two_ranks_cover_every_rank_s_file(tmp_path):
+    results = sg.launch(
+        save_flip_and_load, sg.fsdp_spawn(), devices=2, args=(str(tmp_path / "ckpt"),)
+    )
+    for names, outcome in results:
+        assert names == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+        assert "__1_0.distcp does not match the checksum" in outcome, outcome

@@ -10,6 +10,8 @@ continues in the middle of an epoch with the batches it would have seen.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import itertools
 import operator
 from collections.abc import Iterable, Iterator, Mapping
@@ -17,7 +19,13 @@ from typing import Any, TypeVar
 
 import attrs
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
 
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
@@ -55,6 +63,52 @@ def _index(value: object) -> object:
         return value
 
 
+def _draw(source: Iterable[Any], seed: int, epoch: int) -> list[Any]:
+    """Return what a user's sampler yields in ``epoch``, the same on every rank.
+
+    A copy of the sampler is told the epoch (where it has ``set_epoch``) and
+    given a generator seeded from ``seed + epoch`` (where it draws from a
+    ``generator`` attribute, as torch's samplers do), and is iterated with
+    torch's global generator forked and seeded alike, so that the ranks, whose
+    global generators may differ, draw the same indices. The user's sampler and
+    the global generator are left as they were.
+    """
+    sampler = copy.copy(source)
+    seeded = torch.Generator().manual_seed((seed + epoch) % _SEEDS)
+    if isinstance(getattr(sampler, "generator", None), (torch.Generator, type(None))):
+        # A read-only property is left alone: the global generator, seeded below, still serves.
+        with contextlib.suppress(AttributeError):
+            sampler.generator = seeded  # type: ignore[attr-defined]
+    set_epoch = getattr(sampler, "set_epoch", None)
+    if callable(set_epoch):
+        set_epoch(epoch)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed((seed + epoch) % _SEEDS)
+        return [_index(index) for index in sampler]
+
+
+def _drawn_alike(source: Iterable[Any], seed: int, epoch: int) -> list[Any]:
+    """Return `_draw`'s indices, refusing a sampler whose draws do not repeat.
+
+    Two draws for the same epoch must agree, or the sampler draws from a
+    generator shard cannot seed (Python's ``random``, numpy), and the ranks'
+    draws would differ: samples repeated on some ranks and missed by all.
+
+    Raises:
+        UsageError: the two draws differ.
+    """
+    order = _draw(source, seed, epoch)
+    if _draw(source, seed, epoch) != order:
+        raise UsageError(
+            f"shard: the DataLoader's sampler ({type(source).__name__}) yields indices that "
+            f"differ from one draw of epoch {epoch} to the next, so the ranks would deal out "
+            "different draws (samples repeated, others missed); draw them from its "
+            "'generator' attribute (a torch.Generator, which shard seeds alike on every rank), "
+            "or seed its generator from the epoch in set_epoch."
+        )
+    return order
+
+
 _SAMPLER_RANK, _SAMPLER_WORLD = rank_and_world("ShardSampler.{name}")
 _SAMPLER_COUNT = non_negative_int("ShardSampler.{name}")
 _SAMPLER_FLAG = a_bool("ShardSampler.{name}")
@@ -80,6 +134,12 @@ class ShardSampler:
     samples, at most ``world_size - 1``, are left out of the epoch (a
     different few each shuffled epoch). Otherwise every sample goes to exactly
     one rank.
+
+    With ``source`` (the user's own sampler, which `shard_loader` passes on),
+    what it yields in the epoch is dealt out instead of a permutation of
+    ``range(size)``: its indices, its order, its repeats. Every rank draws the
+    same indices (see `shard_loader`); ``size`` is how many it yields, which
+    must not change from epoch to epoch.
 
     ``start`` skips the first positions of the permutation, which the world
     consumed before a checkpoint: ``world_size * batches * batch_size`` after
@@ -107,6 +167,12 @@ class ShardSampler:
         converter=_index,
         validator=positive_int("ShardSampler.{name}", optional="None"),
     )
+    source: Iterable[Any] | None = attrs.field(
+        default=None,
+        validator=instance_of(
+            "ShardSampler.{name}", Iterable, "an iterable sampler", optional="None (a permutation)"
+        ),
+    )
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the permutation of the next pass."""
@@ -127,7 +193,18 @@ class ShardSampler:
                 return remaining - last
         return remaining
 
-    def __iter__(self) -> Iterator[int]:
+    def __iter__(self) -> Iterator[Any]:
+        if self.source is not None:
+            drawn = _drawn_alike(self.source, self.seed, self.epoch)
+            if len(drawn) != self.size:
+                raise UsageError(
+                    f"shard: the DataLoader's sampler ({type(self.source).__name__}) yielded "
+                    f"{len(drawn)} indices in epoch {self.epoch} but {self.size} before, and "
+                    "every rank must know its number of batches in advance; make it yield "
+                    "the same number every epoch."
+                )
+            kept = drawn[self.start : self.start + self._kept()]
+            return iter(kept[self.rank :: self.world_size])
         if self.shuffle:
             generator = torch.Generator().manual_seed((self.seed + self.epoch) % _SEEDS)
             order = torch.randperm(self.size, generator=generator)
@@ -311,9 +388,23 @@ class ShardedLoader:
 
 
 def _seed_of(loader: DataLoader[Any]) -> int:
-    sampler = loader.sampler
-    generator = getattr(sampler, "generator", None) or loader.generator
-    return int(generator.initial_seed()) if generator is not None else 0
+    for generator in (getattr(loader.sampler, "generator", None), loader.generator):
+        if isinstance(generator, torch.Generator):
+            return int(generator.initial_seed())
+    return 0
+
+
+def _permutes_the_dataset(sampler: object, size: int) -> bool | None:
+    """Whether ``sampler`` is torch's plain shuffle (True) or plain order (False) of all ``size``.
+
+    ``None`` for any other sampler (a subset, weights, replacement, a subclass, the user's
+    own): what it yields must be dealt out as it is.
+    """
+    if type(sampler) is SequentialSampler:
+        return False if len(sampler) == size else None
+    if type(sampler) is RandomSampler and not sampler.replacement:
+        return True if len(sampler) == size == len(sampler.data_source) else None
+    return None
 
 
 def _rebuild(loader: DataLoader[T], sampler: ShardSampler) -> DataLoader[T]:
@@ -361,17 +452,29 @@ def shard_loader(loader: Iterable[T], ctx: Context) -> Iterable[T]:
 
     The user's choices carry over: shuffling (a ``RandomSampler``), its seed
     (the generator's initial seed, else 0), ``drop_last``, batch size, workers
-    and collation. A loader whose sampler is already distributed is only
-    wrapped so that its epoch advances. A loader over an ``IterableDataset`` is
-    kept as it is and strided by batch (`StreamStride`): every rank reads the
-    whole stream, keeps every ``world_size``-th batch, and the incomplete last
-    round (at most ``world_size - 1`` batches) goes to no rank; the epoch
-    reaches the dataset's ``set_epoch`` where it has one.
+    and collation.
+
+    Any other sampler (``SubsetRandomSampler``, ``WeightedRandomSampler``, one
+    with replacement, the user's own) is drawn at every epoch and what it
+    yields is dealt out, so exactly its samples are used. Every rank draws the
+    same indices: from a copy of it, told the epoch (``set_epoch``), whose
+    ``generator`` and torch's global generator (forked) are seeded from the
+    seed + epoch; epoch 0 is what a fresh sampler of that seed yields in one
+    process. A sampler whose draws do not repeat (one drawing from Python's
+    ``random`` or numpy unseeded) is refused, as the ranks could not agree.
+
+    A loader whose sampler is already distributed is only wrapped so that its
+    epoch advances. A loader over an ``IterableDataset`` is kept as it is and
+    strided by batch (`StreamStride`): every rank reads the whole stream, keeps
+    every ``world_size``-th batch, and the incomplete last round (at most
+    ``world_size - 1`` batches) goes to no rank; the epoch reaches the
+    dataset's ``set_epoch`` where it has one.
 
     Raises:
         UsageError: ``loader`` is not a DataLoader or uses a custom
             ``batch_sampler``; the message
             says how to shard it by hand with ``ctx.rank`` and ``ctx.world_size``.
+            Or its sampler yields different indices each time for one epoch.
             Or its dataset is empty (`check_not_empty`), or ``ctx`` is not a `Context`.
     """
     check_context(ctx, "shard")
@@ -391,18 +494,26 @@ def shard_loader(loader: Iterable[T], ctx: Context) -> Iterable[T]:
             "shard: the DataLoader uses a custom batch_sampler, which shard cannot split; "
             "give it a sampler per rank yourself (see stratagem.sharding.ShardSampler)."
         )
+    size = len(loader.dataset)  # type: ignore[arg-type]  # map-style datasets have a length
+    seed = _seed_of(loader)
+    shuffle = _permutes_the_dataset(loader.sampler, size)
+    source = None if shuffle is not None else loader.sampler
+    if source is not None:
+        size = len(_drawn_alike(source, seed, 0))
     sampler = ShardSampler(
-        size=len(loader.dataset),  # type: ignore[arg-type]  # map-style datasets have a length
+        size=size,
         rank=ctx.rank,
         world_size=ctx.world_size,
-        shuffle=isinstance(loader.sampler, RandomSampler),
-        seed=_seed_of(loader),
+        shuffle=bool(shuffle),
+        seed=seed,
         drop_last=loader.drop_last,
         batch_size=loader.batch_size,
+        source=source,
     )
     if sampler.size < ctx.world_size:
+        what = "dataset has" if source is None else "sampler yields"
         raise UsageError(
-            f"shard: the DataLoader's dataset has {sampler.size} sample(s), fewer than the "
+            f"shard: the DataLoader's {what} {sampler.size} sample(s), fewer than the "
             f"{ctx.world_size} ranks, so some rank would have no batch while the others wait "
             "for it; use fewer ranks or more data."
         )

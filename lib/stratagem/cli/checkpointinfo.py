@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from stratagem.cli.escaping import printable, printable_description
 from stratagem.errors import UsageError
 
 __all__ = ["configure", "run"]
@@ -15,7 +16,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(options: argparse.Namespace) -> int:
-    """Print the checkpoint's description.
+    """Print the checkpoint's description, every name and value from the file escaped.
 
     Raises:
         UsageError: there is no readable checkpoint at the path.
@@ -35,6 +36,6 @@ def run(options: argparse.Namespace) -> int:
             "that save() (or stratagem demo --checkpoint DIR) wrote."
         ) from None
     except checkpoint.CheckpointError as error:
-        raise UsageError(f"checkpoint: {error}") from None
-    print(description)
+        raise UsageError(f"checkpoint: {printable(error)}") from None
+    print(printable_description(description))
     return 0

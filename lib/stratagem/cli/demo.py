@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import stratagem as sg
 from stratagem.cli import data as datasets
 from stratagem.cli import plot
 from stratagem.cli.classifier import Config, Result, train
+from stratagem.cli.escaping import printable
 from stratagem.cli.progress import table
 from stratagem.combinators.precision import PRECISIONS
 from stratagem.errors import UsageError
@@ -185,6 +187,31 @@ def _describe_checkpoint(path: Path) -> Any:
     return describe(path)
 
 
+def _check_writable(path: Path) -> None:
+    """Refuse a checkpoint directory a save could not write into, before any epoch is trained.
+
+    A save creates the missing parents of ``path`` and writes beside it
+    (``path.tmp-*``) before renaming into place, and removes the previous
+    checkpoint's files from inside ``path``: both places must take a new entry.
+    """
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(
+            f"--checkpoint {path}: {str(parent)!r} is not a directory, so no checkpoint can be "
+            "saved under it; choose a DIR inside a directory."
+        )
+    for place in (parent, *([path] if path.is_dir() else [])):
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".stratagem-probe-", dir=place))
+        except OSError as error:
+            raise UsageError(
+                f"--checkpoint {path}: cannot write in {str(place)!r} ({error.strerror}), where "
+                "every save writes; choose a writable directory, or make this one writable."
+            ) from None
+
+
 def _check_checkpoint(options: argparse.Namespace) -> str | None:
     """Refuse a checkpoint directory the run could not use; return a note to show, if any."""
     from stratagem.checkpoint import CheckpointError
@@ -195,6 +222,7 @@ def _check_checkpoint(options: argparse.Namespace) -> str | None:
         return None
     path = Path(options.checkpoint)
     if not options.resume and (not path.exists() or (path.is_dir() and not any(path.iterdir()))):
+        _check_writable(path)
         return None
     try:
         saved = _describe_checkpoint(path)
@@ -205,19 +233,49 @@ def _check_checkpoint(options: argparse.Namespace) -> str | None:
         ) from None
     except CheckpointError as error:
         raise UsageError(
-            f"--checkpoint {path}: {error} Choose another directory, or remove it."
+            f"--checkpoint {path}: {printable(error)} Choose another directory, or remove it."
         ) from None
     precision = options.precision or "32-true"
     for flag, asked in (("data", options.data), ("precision", precision)):
         used = saved.values.get(flag)
         if options.resume and used != asked:
+            used = printable(used)  # from the file: shown, never obeyed
             raise UsageError(
                 f"--resume: the checkpoint in {str(path)!r} was trained with --{flag} {used}, "
                 f"not {asked}; pass --{flag} {used}."
             )
+    trained = saved.values.get("epoch")
+    if not (options.resume and isinstance(trained, int) and trained >= options.epochs):
+        _check_writable(path)  # some epoch will be trained, and saved at its end
     if options.resume:
         return None
     return f"note: starting afresh; the checkpoint in {path} will be replaced (--resume continues)"
+
+
+def _check_steps(options: argparse.Namespace, data: datasets.Data, world: int) -> None:
+    """Refuse a batch size or accumulation under which an epoch makes no optimizer step.
+
+    Each rank takes whole batches of its share (``len // world`` samples), and the
+    optimizer steps once per ``--accumulate`` of them (see `stratagem.cli.classifier.train`).
+    """
+    samples = len(data.train_inputs)
+    share = samples // world
+    batches = share // options.batch_size
+    if batches >= options.accumulate:
+        return
+    dealt = f"the {samples} training samples of --data {data.name} on {world} rank(s)"
+    if batches == 0:
+        fix = f"pass --batch-size {share} or less" if share else "use fewer ranks"
+        raise UsageError(
+            f"--batch-size {options.batch_size}: {dealt} give each rank {share}, not one whole "
+            f"batch, so no optimizer step would run; {fix}."
+        )
+    raise UsageError(
+        f"--accumulate {options.accumulate}: {dealt} make {batches} batches of "
+        f"{options.batch_size} per rank and epoch, fewer than one accumulation window, so no "
+        f"optimizer step would run; pass --accumulate {batches} or less, or a smaller "
+        "--batch-size."
+    )
 
 
 def _row(strategy: sg.Strategy, world: int, precision: str, result: Result) -> dict[str, str]:
@@ -256,6 +314,7 @@ def run(options: argparse.Namespace) -> int:
     note = _check_checkpoint(options)
     plot_path = None if options.plot is None else plot.check(options.plot)
     data = datasets.load(options.data)
+    _check_steps(options, data, world)
     config = Config(
         epochs=options.epochs,
         batch_size=options.batch_size,
