@@ -117,3 +117,50 @@ def rank_ctx(rank: int, world_size: int) -> sg.Context:
         source="spawn",
     )
     return sg.Context(env=env, device=torch.device("cpu"))
+
+
+class Block(torch.nn.Module):
+    """A small transformer block: pre-norm causal attention and an MLP, each with a residual.
+
+    Attention projections carry no bias: a key bias does not change attention, so its
+    gradient is zero and an optimizer like Adam would amplify rounding noise in it.
+    """
+
+    def __init__(self, width: int = 16, head: int = 4) -> None:
+        super().__init__()
+        self.head = head
+        self.norm = torch.nn.LayerNorm(width)
+        self.q, self.k, self.v = (torch.nn.Linear(width, width, bias=False) for _ in range(3))
+        self.o = torch.nn.Linear(width, width)
+        self.up = torch.nn.Linear(width, 4 * width)
+        self.down = torch.nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, time, _ = x.shape
+        h = self.norm(x)
+        # -1 heads: under tensor parallelism each rank holds width / tp of the features.
+        q, k, v = (
+            m(h).view(batch, time, -1, self.head).transpose(1, 2) for m in (self.q, self.k, self.v)
+        )
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(attended.transpose(1, 2).reshape(batch, time, -1))
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def make_block(seed: int = 0) -> Block:
+    torch.manual_seed(seed)
+    return Block()
+
+
+def block_plan() -> dict[str, object]:
+    """Megatron's split of `Block`: column-wise into attention and the MLP, row-wise out."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        "q": ColwiseParallel(),
+        "k": ColwiseParallel(),
+        "v": ColwiseParallel(),
+        "o": RowwiseParallel(),
+        "up": ColwiseParallel(),
+        "down": RowwiseParallel(),
+    }

@@ -120,6 +120,12 @@ def sharded(kit: Kit) -> sg.ShardedLoader:
     return loader
 
 
+def _plan() -> dict[str, object]:
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    return {"0": ColwiseParallel()}
+
+
 U, E, L = sg.UsageError, sg.EnvError, sg.LaunchError
 S, C = sg.StrategyFieldError, sg.CombinatorError
 
@@ -238,6 +244,20 @@ ROWS: list[Row] = [
     Row("with_precision", "twice",
         lambda k: sg.with_precision(sg.with_precision(k.strategy, "16-mixed"), "bf16-mixed"), C,
         ("already has precision '16-mixed'", "apply with_precision once")),
+    Row("tensor_parallel", "on ddp", lambda k: sg.tensor_parallel(sg.ddp(), _plan()), C,
+        ("'ddp' is not an fsdp() strategy", "tensor_parallel(sg.fsdp(), plan, size=2)")),
+    Row("tensor_parallel", "size=1", lambda k: sg.tensor_parallel(sg.fsdp(), _plan(), size=1), U,
+        ("tensor_parallel: 'size' must be an int of at least 2", "got 1, an int")),
+    Row("tensor_parallel", "empty plan", lambda k: sg.tensor_parallel(sg.fsdp(), {}), U,
+        ("tensor_parallel: 'plan' must be a non-empty mapping", "got {}")),
+    Row("tensor_parallel", "not a style",
+        lambda k: sg.tensor_parallel(sg.fsdp(), {"0": "colwise"}), U,
+        ("plan['0'] must be a ParallelStyle", "ColwiseParallel()", "got 'colwise', a str")),
+    Row("tensor_parallel", "twice",
+        lambda k: sg.tensor_parallel(sg.tensor_parallel(sg.fsdp(), _plan()), _plan()), C,
+        ("'fsdp+tp2' is already tensor parallel", "apply it once")),
+    Row("tensor_parallel", "not a strategy", lambda k: sg.tensor_parallel(None, _plan()), U,
+        ("tensor_parallel: 'strategy' must be a Strategy", "got None")),
     Row("with_clipping", "no bound", lambda k: sg.with_clipping(k.strategy), U,
         ("give max_norm", "or max_value",)),
     Row("with_clipping", "max_norm=inf", lambda k: sg.with_clipping(k.strategy, max_norm=math.inf),

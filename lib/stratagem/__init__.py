@@ -21,6 +21,7 @@ if _typing.TYPE_CHECKING:
     from stratagem.combinators.clipping import with_clipping as with_clipping
     from stratagem.combinators.compiled import compiled as compiled
     from stratagem.combinators.precision import with_precision as with_precision
+    from stratagem.combinators.tensor_parallel import tensor_parallel as tensor_parallel
     from stratagem.combinators.tracing import JsonLinesSink as JsonLinesSink
     from stratagem.combinators.tracing import ListSink as ListSink
     from stratagem.combinators.tracing import TraceEvent as TraceEvent
@@ -83,6 +84,7 @@ _WHERE: dict[str, str] = {
     "compiled": "stratagem.combinators.compiled",
     "traced": "stratagem.combinators.tracing",
     "with_clipping": "stratagem.combinators.clipping",
+    "tensor_parallel": "stratagem.combinators.tensor_parallel",
     "with_precision": "stratagem.combinators.precision",
     "DeviceSpec": "stratagem.devices",
     "Context": "stratagem.env",
@@ -163,6 +165,7 @@ __all__ = [
     "per_rank",
     "single_device",
     "spawned",
+    "tensor_parallel",
     "traced",
     "unwrap",
     "with_clipping",

@@ -27,7 +27,18 @@ from stratagem.validators import (
     require,
 )
 
-__all__ = ["Context", "Env", "EnvSource", "check_context", "check_env", "detect_env"]
+__all__ = [
+    "MODEL_PARALLEL_DIMS",
+    "Context",
+    "Env",
+    "EnvSource",
+    "check_context",
+    "check_env",
+    "detect_env",
+]
+
+MODEL_PARALLEL_DIMS = ("tp", "pp")
+"""Mesh dimensions whose ranks hold parts of one model and take the same batches."""
 
 EnvSource = Literal["single", "torchrun", "slurm", "spawn"]
 
@@ -207,6 +218,39 @@ class Context:
     def is_main(self) -> bool:
         """Whether this is global rank 0, the rank that prints and writes."""
         return self.env.rank == 0
+
+    @property
+    def mesh(self) -> Any:
+        """The world's ``DeviceMesh``, its dimensions named (``ctx.extras["mesh"]``), or ``None``.
+
+        A strategy's ``setup`` declares the dimensions: ``("shard",)`` for
+        ``fsdp()``, ``("replicate", "shard")`` for hybrid sharding, with
+        ``"tp"`` last under `tensor_parallel`. ``ctx.mesh["tp"]`` is the
+        sub-mesh of a dimension, ``ctx.mesh["tp"].get_group()`` its process group.
+        """
+        return self.extras.get("mesh")
+
+    @property
+    def data_parallel(self) -> tuple[int, int]:
+        """``(index, size)`` of this rank among the ranks that take different batches.
+
+        Without a mesh, or on a mesh of data-parallel dimensions only, it is
+        ``(rank, world_size)``. The ranks of one model-parallel group
+        (`MODEL_PARALLEL_DIMS`) hold parts of one model and take the same batch:
+        on a ``(shard=2, tp=2)`` mesh, ranks 0 and 1 are ``(0, 2)`` and ranks 2 and
+        3 are ``(1, 2)``.
+        """
+        mesh = self.mesh
+        names = getattr(mesh, "mesh_dim_names", None) or ()
+        if not set(names) & set(MODEL_PARALLEL_DIMS):
+            return self.rank, self.world_size
+        coordinate = mesh.get_coordinate()
+        index, size = 0, 1
+        for dim, (name, at) in enumerate(zip(names, coordinate, strict=True)):
+            if name not in MODEL_PARALLEL_DIMS:
+                extent = mesh.size(dim)
+                index, size = index * extent + at, size * extent
+        return index, size
 
 
 def check_context(ctx: object, function: str) -> Context:

@@ -11,16 +11,16 @@ from typing import TYPE_CHECKING, Literal
 
 import attrs
 
-from stratagem.env import Context, Env, check_env
+from stratagem.env import MODEL_PARALLEL_DIMS, Context, Env, check_env
 from stratagem.errors import UsageError
 from stratagem.fields import SetupFn
 from stratagem.process_group import JoinProcessGroup
-from stratagem.validators import field, is_int, require
+from stratagem.validators import field, is_int, positive_int, require
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["JoinMesh", "ShardSize", "device_mesh", "mesh_shape"]
+__all__ = ["JoinMesh", "ShardSize", "data_mesh", "device_mesh", "mesh_dims", "mesh_shape"]
 
 ShardSize = int | Literal["world", "node"]
 """Ranks per shard group: ``"world"`` (all), ``"node"`` (the ranks of a node), or a number."""
@@ -34,6 +34,46 @@ _SHARD_SIZES = "'world', 'node' or a positive int"
 _SHARD_SIZE = field(_is_shard_size, "'{name}'", _SHARD_SIZES)
 
 
+def mesh_dims(
+    env: Env, shard_size: ShardSize = "world", tensor_parallel: int = 1
+) -> tuple[tuple[str, int], ...]:
+    """Return the named dimensions of the mesh: data-parallel ones, then ``("tp", n)`` if any.
+
+    The tensor-parallel groups are ``tensor_parallel`` consecutive ranks (the
+    fastest links); the world over them is the data-parallel world, which
+    ``shard_size`` splits as for ``fsdp()``.
+
+    Raises:
+        UsageError: the groups do not divide the world evenly.
+
+    Example:
+        >>> mesh_dims(Env(world_size=8, local_world_size=8), 2, tensor_parallel=2)
+        (('replicate', 2), ('shard', 2), ('tp', 2))
+    """
+    require(_is_shard_size(shard_size), "'shard_size'", _SHARD_SIZES, shard_size)
+    require(is_int(tensor_parallel, 1), "'tensor_parallel'", "a positive int", tensor_parallel)
+    world = env.world_size
+    if world % tensor_parallel:
+        raise UsageError(
+            f"tensor_parallel: size={tensor_parallel} does not divide the world of {world} "
+            f"ranks into equal tensor-parallel groups; use one of "
+            f"{[d for d in range(1, world + 1) if world % d == 0]}."
+        )
+    data = world // tensor_parallel
+    by_name = {"world": data, "node": max(1, env.local_world_size // tensor_parallel)}
+    size = shard_size if isinstance(shard_size, int) else by_name[shard_size]
+    if data % size:
+        divisors = [d for d in range(1, data + 1) if data % d == 0]
+        what = f"{size} ranks per node" if shard_size == "node" else f"{size} ranks"
+        over = f"{world} ranks" if tensor_parallel == 1 else f"{data} data-parallel ranks"
+        raise UsageError(
+            f"fsdp: shard_size={shard_size!r} ({what}) does not divide the world of {over} "
+            f"into equal shard groups; use one of {divisors}, or shard_size='world'."
+        )
+    dims = (("shard", data),) if size == data else (("replicate", data // size), ("shard", size))
+    return dims + ((("tp", tensor_parallel),) if tensor_parallel > 1 else ())
+
+
 def mesh_shape(env: Env, shard_size: ShardSize = "world") -> tuple[int, ...]:
     """Return the mesh shape for ``shard_size``: ``(world,)``, or ``(replicas, shard_size)``.
 
@@ -44,42 +84,46 @@ def mesh_shape(env: Env, shard_size: ShardSize = "world") -> tuple[int, ...]:
         >>> mesh_shape(Env(world_size=8, local_world_size=4), "node")
         (2, 4)
     """
-    require(_is_shard_size(shard_size), "'shard_size'", _SHARD_SIZES, shard_size)
-    world = env.world_size
-    by_name = {"world": world, "node": env.local_world_size}
-    size = shard_size if isinstance(shard_size, int) else by_name[shard_size]
-    if world % size:
-        divisors = [d for d in range(1, world + 1) if world % d == 0]
-        what = f"{size} ranks per node" if shard_size == "node" else f"{size} ranks"
-        raise UsageError(
-            f"fsdp: shard_size={shard_size!r} ({what}) does not divide the world of {world} "
-            f"ranks into equal shard groups; use one of {divisors}, or shard_size='world'."
-        )
-    return (world,) if size == world else (world // size, size)
+    return tuple(size for _, size in mesh_dims(env, shard_size))
 
 
-def device_mesh(ctx: Context, shard_size: ShardSize = "world") -> DeviceMesh:
-    """Build the device mesh of a joined world: 1-D (shard over all), or 2-D ``(replicate, shard)``.
+def device_mesh(
+    ctx: Context, shard_size: ShardSize = "world", tensor_parallel: int = 1
+) -> DeviceMesh:
+    """Build the device mesh of a joined world from its `mesh_dims`.
 
     Raises:
-        UsageError: the shard groups do not divide the world (see `mesh_shape`).
+        UsageError: the groups do not divide the world (see `mesh_dims`).
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    shape = mesh_shape(ctx.env, shard_size)
-    names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
-    return init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
+    dims = mesh_dims(ctx.env, shard_size, tensor_parallel)
+    return init_device_mesh(
+        ctx.device.type, tuple(n for _, n in dims), mesh_dim_names=tuple(d for d, _ in dims)
+    )
+
+
+def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """Return the sub-mesh of ``mesh``'s data-parallel dimensions (itself if it has no others)."""
+    names = mesh.mesh_dim_names or ()
+    data = tuple(n for n in names if n not in MODEL_PARALLEL_DIMS)
+    return mesh if data == names else mesh[data]
 
 
 @attrs.frozen(kw_only=True)
 class JoinMesh:
-    """Setup field: run ``join`` (join the process group), then add ``ctx.extras["mesh"]``."""
+    """Setup field: run ``join`` (join the process group), then add ``ctx.extras["mesh"]``.
+
+    The mesh's dimensions are `mesh_dims` of ``shard_size`` and
+    ``tensor_parallel``, checked against the world before joining.
+    """
 
     join: SetupFn = attrs.field(factory=JoinProcessGroup)
     shard_size: ShardSize = attrs.field(default="world", validator=_SHARD_SIZE)
+    tensor_parallel: int = attrs.field(default=1, validator=positive_int("JoinMesh({name}=...)"))
 
     def __call__(self, env: Env) -> Context:
         check_env(env, "setup")
-        mesh_shape(env, self.shard_size)  # a world that does not factor fails before joining
+        mesh_dims(env, self.shard_size, self.tensor_parallel)  # fails before joining
         ctx = self.join(env)
-        return ctx.with_extras(mesh=device_mesh(ctx, self.shard_size))
+        return ctx.with_extras(mesh=device_mesh(ctx, self.shard_size, self.tensor_parallel))

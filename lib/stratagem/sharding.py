@@ -450,6 +450,10 @@ def check_not_empty(loader: object) -> None:
 def shard_loader(loader: Iterable[T], ctx: Context) -> Iterable[T]:
     """Return this rank's share of ``loader``, a ``torch.utils.data.DataLoader``.
 
+    Batches are dealt over ``ctx.data_parallel``: the whole world, or under
+    tensor parallelism the world over the ``"tp"`` groups, whose ranks take the
+    same batches.
+
     The user's choices carry over: shuffling (a ``RandomSampler``), its seed
     (the generator's initial seed, else 0), ``drop_last``, batch size, workers
     and collation.
@@ -483,11 +487,13 @@ def shard_loader(loader: Iterable[T], ctx: Context) -> Iterable[T]:
             f"shard: 'loader' must be a torch DataLoader (got {describe(loader)}); shard other "
             "iterables yourself, e.g. items[ctx.rank::ctx.world_size]."
         )
+    # The ranks of a tensor-parallel group hold parts of one model: they take the same batches.
+    rank, world_size = ctx.data_parallel
     check_not_empty(loader)
     if isinstance(loader.sampler, (ShardSampler, DistributedSampler)):
         return ShardedLoader(loader=loader, sampler=loader.sampler)
     if isinstance(loader.dataset, IterableDataset):
-        stride = StreamStride(loader.dataset, rank=ctx.rank, world_size=ctx.world_size)
+        stride = StreamStride(loader.dataset, rank=rank, world_size=world_size)
         return ShardedLoader(loader=loader, sampler=stride)
     if loader.batch_size is None:
         raise UsageError(
@@ -502,19 +508,19 @@ def shard_loader(loader: Iterable[T], ctx: Context) -> Iterable[T]:
         size = len(_drawn_alike(source, seed, 0))
     sampler = ShardSampler(
         size=size,
-        rank=ctx.rank,
-        world_size=ctx.world_size,
+        rank=rank,
+        world_size=world_size,
         shuffle=bool(shuffle),
         seed=seed,
         drop_last=loader.drop_last,
         batch_size=loader.batch_size,
         source=source,
     )
-    if sampler.size < ctx.world_size:
+    if sampler.size < world_size:
         what = "dataset has" if source is None else "sampler yields"
         raise UsageError(
             f"shard: the DataLoader's {what} {sampler.size} sample(s), fewer than the "
-            f"{ctx.world_size} ranks, so some rank would have no batch while the others wait "
+            f"{world_size} ranks, so some rank would have no batch while the others wait "
             "for it; use fewer ranks or more data."
         )
     return ShardedLoader(loader=_rebuild(loader, sampler), sampler=sampler)

@@ -8,6 +8,7 @@ from stratagem.combinators.checked import checked as checked
 from stratagem.combinators.clipping import with_clipping as with_clipping
 from stratagem.combinators.compiled import compiled as compiled
 from stratagem.combinators.precision import with_precision as with_precision
+from stratagem.combinators.tensor_parallel import tensor_parallel as tensor_parallel
 from stratagem.combinators.tracing import JsonLinesSink as JsonLinesSink
 from stratagem.combinators.tracing import ListSink as ListSink
 from stratagem.combinators.tracing import TraceEvent as TraceEvent
@@ -23,6 +24,7 @@ __all__ = [
     "accumulate",
     "checked",
     "compiled",
+    "tensor_parallel",
     "traced",
     "with_clipping",
     "with_precision",

@@ -21,6 +21,7 @@ import torch
 from stratagem.collectives import is_distributed
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
+from stratagem.meshes import data_mesh
 from stratagem.replicas import check_same_layout
 from stratagem.validators import a_bool, callable_field, field, is_int, non_negative_int, require
 
@@ -224,7 +225,9 @@ class WrapFSDP:
         if self.sync_module_states:
             # Shards of different initialisations would stitch together a model no rank built.
             _copy_rank_zeros_states(module, ctx)
-        options: dict[str, Any] = {"mesh": mesh}
+        # Under tensor parallelism the model's parts are already spread over "tp": shard over
+        # the data-parallel dimensions only.
+        options: dict[str, Any] = {"mesh": data_mesh(mesh)}
         if self.reshard_after_forward is not None:  # None: torch's default for root and children
             options["reshard_after_forward"] = self.reshard_after_forward
         if self.mp_policy is not None:
@@ -255,8 +258,10 @@ def _copy_rank_zeros_states(module: torch.nn.Module, ctx: Context) -> None:
     if not is_distributed(ctx):
         return
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
-    tensors = [*module.parameters(), *module.buffers()]
+    # A DTensor was distributed by tensor parallelism from a copy of rank 0's whole module.
+    tensors = [t for t in (*module.parameters(), *module.buffers()) if not isinstance(t, DTensor)]
     meta = torch.tensor([int(any(t.is_meta for t in tensors))], device=ctx.device)
     agreed = [torch.zeros_like(meta) for _ in range(ctx.world_size)]
     dist.all_gather(agreed, meta, group=ctx.group)

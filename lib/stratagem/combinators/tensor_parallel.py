@@ -1,0 +1,163 @@
+"""``tensor_parallel``: split layers over a ``"tp"`` mesh dimension, under a sharding strategy.
+
+``tensor_parallel(fsdp(), plan, size=2)`` is FSDP x TP: the mesh gains a last
+dimension ``"tp"`` of ``size`` consecutive ranks, ``wrap`` applies the plan with
+``parallelize_module`` on it and then shards over the data-parallel dimensions
+only, and every rank of a tensor-parallel group takes the same batches
+(``shard`` deals by `Context.data_parallel`). It substitutes ``setup``'s mesh
+and ``wrap``, so it goes directly on ``fsdp()``; the other combinators go on
+top of it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+from stratagem.collectives import is_distributed
+from stratagem.combinators._base import CombinatorError, check_strategy
+from stratagem.env import Context, check_context
+from stratagem.errors import UsageError, describe
+from stratagem.fields import WrapFn
+from stratagem.meshes import JoinMesh
+from stratagem.replicas import broadcast_tensors, check_same_layout
+from stratagem.strategies.fsdp_units import WrapFSDP
+from stratagem.strategy import Strategy
+from stratagem.validators import is_int, require
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["Plan", "TensorParallelWrap", "tensor_parallel"]
+
+Plan = Mapping[str, Any] | Callable[[torch.nn.Module, Any], torch.nn.Module]
+"""Module paths (``fnmatch`` patterns, as ``parallelize_module`` takes) to ``ParallelStyle``
+objects (``ColwiseParallel()``, ``RowwiseParallel()``, ``SequenceParallel()``), or a
+function ``(module, tp_mesh) -> module`` that parallelises the module itself."""
+
+NOT_ON_FSDP = (
+    "tensor_parallel: {name!r} is not an fsdp() strategy (its setup is {setup}, its wrap "
+    "{wrap}); tensor parallelism composes with fsdp(), which shards each tensor-parallel "
+    "part over the data-parallel ranks: tensor_parallel(sg.fsdp(), plan, size=2). Apply "
+    "other combinators on top: sg.with_clipping(tensor_parallel(sg.fsdp(), plan), ...)."
+)
+
+
+def _check_plan(plan: object) -> Plan:
+    if callable(plan) and not isinstance(plan, Mapping):
+        return plan
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    require(
+        isinstance(plan, Mapping) and bool(plan),
+        "tensor_parallel: 'plan'",
+        "a non-empty mapping of module paths to ParallelStyle objects, or a function "
+        "(module, tp_mesh) -> module",
+        plan,
+    )
+    assert isinstance(plan, Mapping)
+    for path, style in plan.items():
+        require(isinstance(path, str), "tensor_parallel: a key of 'plan'", "a module path", path)
+        if not isinstance(style, ParallelStyle):
+            raise UsageError(
+                f"tensor_parallel: plan[{path!r}] must be a ParallelStyle such as "
+                f"ColwiseParallel() or RowwiseParallel() (got {describe(style)})."
+            )
+    return plan
+
+
+def _check_paths(plan: Mapping[str, Any], module: torch.nn.Module) -> None:
+    names = [name for name, _ in module.named_modules() if name]
+    missing = [p for p in plan if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+    if missing:
+        shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
+        raise UsageError(
+            f"wrap: the tensor-parallel plan names {missing}, which match no submodule of "
+            f"{type(module).__name__} (its submodules: {shown}); use their paths, as "
+            "model.named_modules() gives them."
+        )
+
+
+@attrs.frozen
+class TensorParallelWrap:
+    """Wrap field: copy rank 0's module to every rank, apply the plan on ``"tp"``, then ``inner``.
+
+    The copy comes first so that every tensor-parallel group splits the same
+    weights (``parallelize_module`` splits each rank's own copy).
+    """
+
+    inner: WrapFn
+    plan: Plan
+
+    def __call__(self, module: torch.nn.Module, ctx: Context) -> torch.nn.Module:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        require(isinstance(module, torch.nn.Module), "wrap: 'module'", "a torch.nn.Module", module)
+        mesh: DeviceMesh | None = check_context(ctx, "wrap").mesh
+        if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
+            raise UsageError(
+                "wrap: ctx has no mesh with a 'tp' dimension; pass the Context that the "
+                "tensor_parallel strategy's setup returned."
+            )
+        if is_distributed(ctx):
+            check_same_layout(module, ctx)
+            broadcast_tensors([*module.parameters(), *module.buffers()], ctx, src=0)
+        if isinstance(self.plan, Mapping):
+            _check_paths(self.plan, module)
+            module = parallelize_module(module, mesh["tp"], dict(self.plan))
+        else:
+            module = self.plan(module, mesh["tp"])
+            require(
+                isinstance(module, torch.nn.Module),
+                "wrap: the tensor-parallel plan function",
+                "to return the module",
+                module,
+            )
+        return self.inner(module, ctx)
+
+
+def tensor_parallel(strategy: Strategy, plan: Plan, *, size: int = 2) -> Strategy:
+    """Split the layers ``plan`` names over ``size`` ranks; shard the rest of the world as before.
+
+    Fields touched: ``setup`` (the mesh gains a last dimension ``"tp"`` of
+    ``size`` consecutive ranks; ``ctx.data_parallel`` is then the world over
+    it) and ``wrap`` (`TensorParallelWrap` before ``fsdp``'s own, which shards
+    over the data-parallel dimensions). ``shard`` already deals batches by
+    ``ctx.data_parallel``, so the ranks of a tensor-parallel group train on
+    the same batches. Gradients of the split layers are reduced by the
+    DTensor operations themselves.
+
+    Args:
+        strategy: an ``fsdp()`` strategy (any ``shard_size``: HSDP x TP on a 3-D mesh).
+        plan: module paths to ``ParallelStyle`` objects, or a function
+            ``(module, tp_mesh) -> module``.
+        size: ranks per tensor-parallel group; must divide the world.
+
+    Raises:
+        UsageError: ``strategy`` is not a `Strategy`, ``plan`` or ``size`` is malformed.
+        CombinatorError: ``strategy`` is not ``fsdp()`` (directly), or it is
+            already tensor parallel.
+    """
+    check_strategy(strategy, "tensor_parallel")
+    checked_plan = _check_plan(plan)
+    require(is_int(size, 2), "tensor_parallel: 'size'", "an int of at least 2", size)
+    setup, wrap = strategy.setup, strategy.wrap
+    if isinstance(wrap, TensorParallelWrap):
+        raise CombinatorError(
+            f"tensor_parallel: strategy {strategy.name!r} is already tensor parallel; "
+            "apply it once."
+        )
+    if not isinstance(setup, JoinMesh) or not isinstance(wrap, WrapFSDP):
+        raise CombinatorError(
+            NOT_ON_FSDP.format(name=strategy.name, setup=describe(setup), wrap=describe(wrap))
+        )
+    return attrs.evolve(
+        strategy,
+        name=f"{strategy.name}+tp{size}",
+        setup=attrs.evolve(setup, tensor_parallel=size),
+        wrap=TensorParallelWrap(wrap, checked_plan),
+    )

@@ -1,0 +1,119 @@
+"""tensor_parallel on real gloo ranks: FSDP x TP on a 2x2 mesh and TP alone equal one process.
+
+A small transformer block (attention + MLP) with Megatron's plan trains for
+several steps on batches that ``shard`` deals; every parameter and AdamW slot,
+gathered whole, must equal ``single_device()`` training on the whole batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import stratagem as sg
+from helpers import block_plan, make_block
+from stratagem.combinators.tensor_parallel import TensorParallelWrap
+
+STEPS = 3
+BATCH = 8  # global batch; 4 per data-parallel rank on the 2x2 mesh
+
+
+def loader() -> DataLoader:
+    generator = torch.Generator().manual_seed(1)
+    data = TensorDataset(
+        torch.randn(STEPS * BATCH, 6, 16, generator=generator),
+        torch.randn(STEPS * BATCH, 6, 16, generator=generator),
+    )
+    return DataLoader(data, batch_size=BATCH)
+
+
+def mse(model, batch):
+    inputs, targets = batch
+    return torch.nn.functional.mse_loss(model(inputs), targets)
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    return full.detach().cpu().clone()
+
+
+def train(strategy, ctx) -> dict[str, object]:
+    """Train the block; return its whole state, what each rank saw, and the mesh."""
+    model = strategy.wrap(make_block(seed=ctx.rank), ctx)  # ranks start apart: wrap must agree
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    seen = []
+    batches = strategy.shard(_per_rank_loader(loader(), ctx), ctx)
+    for batch in batches:
+        seen.append(float(batch[0].sum()))
+        loss = strategy.step(model, batch, ctx, forward=mse)
+        strategy.backward(loss, model, ctx)
+        strategy.update(optimizer, model, ctx)
+    names = {id(p): n for n, p in model.named_parameters()}
+    state = {f"model.{n}": whole(p) for n, p in model.named_parameters()}
+    for parameter, slots in optimizer.state.items():
+        for slot, value in slots.items():
+            if slot != "step":
+                state[f"optimizer.{names[id(parameter)]}.{slot}"] = whole(value)
+    mesh = ctx.mesh
+    return {
+        "state": state,
+        "seen": seen,
+        "data_parallel": ctx.data_parallel,
+        "mesh": (mesh.mesh_dim_names, tuple(mesh.shape)),
+        "loss": float(loss),
+    }
+
+
+def _per_rank_loader(batches: DataLoader, ctx) -> DataLoader:
+    # The global batch of the reference, dealt: each data-parallel rank takes BATCH / dp rows.
+    _, size = ctx.data_parallel
+    return DataLoader(batches.dataset, batch_size=BATCH // size)
+
+
+def reference() -> dict[str, torch.Tensor]:
+    strategy = sg.single_device("cpu")
+    ctx = strategy.setup(sg.Env())
+    model = strategy.wrap(make_block(seed=0), ctx)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for batch in loader():
+        loss = strategy.step(model, batch, ctx, forward=mse)
+        strategy.backward(loss, model, ctx)
+        strategy.update(optimizer, model, ctx)
+    names = {id(p): n for n, p in model.named_parameters()}
+    state = {f"model.{n}": p.detach().clone() for n, p in model.named_parameters()}
+    for parameter, slots in optimizer.state.items():
+        for slot, value in slots.items():
+            if slot != "step":
+                state[f"optimizer.{names[id(parameter)]}.{slot}"] = value.clone()
+    return state
+
+
+def assert_equal_to_reference(results, expected) -> None:
+    for rank, result in enumerate(results):
+        assert sorted(result["state"]) == sorted(expected), rank
+        for key, value in expected.items():
+            torch.testing.assert_close(
+                result["state"][key], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {key}"
+            )
+
+
+@pytest.mark.slow
+def test_fsdp_x_tensor_parallel_on_a_2x2_mesh_equals_one_process():
+    strategy = sg.tensor_parallel(sg.fsdp_spawn(), block_plan(), size=2)
+    assert strategy.name == "fsdp_spawn+tp2"
+    assert isinstance(strategy.wrap, TensorParallelWrap)
+    results = sg.launch(train, strategy, devices=4)
+    assert [r["mesh"] for r in results] == [(("shard", "tp"), (2, 2))] * 4
+    assert [r["data_parallel"] for r in results] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    # The two ranks of a tensor-parallel group take the same batches; the groups differ.
+    assert results[0]["seen"] == results[1]["seen"] != results[2]["seen"] == results[3]["seen"]
+    assert_equal_to_reference(results, reference())
+
+
+@pytest.mark.slow
+def test_tensor_parallel_alone_on_two_ranks_equals_one_process():
+    results = sg.launch(train, sg.tensor_parallel(sg.fsdp_spawn(), block_plan()), devices=2)
+    assert [r["data_parallel"] for r in results] == [(0, 1), (0, 1)]
+    assert results[0]["seen"] == results[1]["seen"]
+    assert_equal_to_reference(results, reference())
