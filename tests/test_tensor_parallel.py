@@ -40,6 +40,11 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
 
 def train(strategy, ctx) -> dict[str, object]:
     """Train the block; return its whole state, what each rank saw, and the mesh."""
+    return trained(strategy, ctx)[0]
+
+
+def trained(strategy, ctx) -> tuple[dict[str, object], dict[str, object]]:
+    """`train`'s result, and the model and optimizer themselves."""
     model = strategy.wrap(make_block(seed=ctx.rank), ctx)  # ranks start apart: wrap must agree
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     seen = []
@@ -49,20 +54,30 @@ def train(strategy, ctx) -> dict[str, object]:
         loss = strategy.step(model, batch, ctx, forward=mse)
         strategy.backward(loss, model, ctx)
         strategy.update(optimizer, model, ctx)
-    names = {id(p): n for n, p in model.named_parameters()}
-    state = {f"model.{n}": whole(p) for n, p in model.named_parameters()}
-    for parameter, slots in optimizer.state.items():
-        for slot, value in slots.items():
-            if slot != "step":
-                state[f"optimizer.{names[id(parameter)]}.{slot}"] = whole(value)
+    state = whole_state(model, optimizer)
     mesh = ctx.mesh
-    return {
+    result = {
         "state": state,
         "seen": seen,
         "data_parallel": ctx.data_parallel,
         "mesh": (mesh.mesh_dim_names, tuple(mesh.shape)),
         "loss": float(loss),
     }
+    return result, {"model": model, "optim": optimizer}
+
+
+def whole_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, torch.Tensor]:
+    """Every parameter and AdamW slot (but the step count), gathered whole, by name."""
+    plain = sg.unwrap(model)  # names without a wrapper's prefix (DDP's "module.")
+    names = {id(p): n for n, p in plain.named_parameters()}
+    state = {f"model.{n}": whole(p) for n, p in plain.named_parameters()}
+    for parameter, slots in optimizer.state.items():
+        for slot, value in slots.items():
+            if slot != "step":
+                state[f"optimizer.{names[id(parameter)]}.{slot}"] = whole(value)
+    return state
 
 
 def _per_rank_loader(batches: DataLoader, ctx) -> DataLoader:
@@ -117,3 +132,52 @@ def test_tensor_parallel_alone_on_two_ranks_equals_one_process():
     assert [r["data_parallel"] for r in results] == [(0, 1), (0, 1)]
     assert results[0]["seen"] == results[1]["seen"]
     assert_equal_to_reference(results, reference())
+
+
+# ------------------------------------------------------------------------------- checkpoints
+
+
+def train_and_save(strategy, ctx, path: str) -> dict[str, object]:
+    result, objects = trained(strategy, ctx)
+    sg.checkpoint.save(path, objects, ctx)
+    return result
+
+
+def load_into(strategy, ctx, path: str) -> dict[str, torch.Tensor]:
+    """Load the FSDP x TP checkpoint under another strategy; return the state, whole."""
+    model = strategy.wrap(make_block(seed=5), ctx)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    # An optimizer has state only after a step: take one with zero gradients, then load over it.
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    optimizer.step()
+    optimizer.zero_grad()
+    sg.checkpoint.load(path, {"model": model, "optim": optimizer}, ctx)
+    return whole_state(model, optimizer)
+
+
+def _single(fn, path):
+    strategy = sg.single_device("cpu")
+    return [fn(strategy, strategy.setup(sg.Env()), path)]
+
+
+LOADERS = {
+    "single_device": lambda path: _single(load_into, path),
+    "ddp on 2": lambda path: sg.launch(load_into, sg.ddp_spawn(), devices=2, args=(path,)),
+    "fsdp on 3": lambda path: sg.launch(load_into, sg.fsdp_spawn(), devices=3, args=(path,)),
+    "fsdp x tp on 2": lambda path: sg.launch(
+        load_into, sg.tensor_parallel(sg.fsdp_spawn(), block_plan()), devices=2, args=(path,)
+    ),
+}
+
+
+@pytest.mark.slow
+def test_an_fsdp_x_tp_checkpoint_loads_under_other_strategies_and_world_sizes(tmp_path):
+    path = str(tmp_path / "ckpt")
+    strategy = sg.tensor_parallel(sg.fsdp_spawn(), block_plan(), size=2)
+    saved = sg.launch(train_and_save, strategy, devices=4, args=(path,))[0]["state"]
+    for name, load in LOADERS.items():
+        for rank, state in enumerate(load(path)):
+            assert sorted(state) == sorted(saved), (name, rank)
+            for key, value in saved.items():
+                assert torch.equal(state[key], value), f"{name}, rank {rank}: {key} differs"
