@@ -56,6 +56,7 @@ if _typing.TYPE_CHECKING:
     from stratagem.strategies.dp import dp as dp
     from stratagem.strategies.fsdp import fsdp as fsdp
     from stratagem.strategies.fsdp import fsdp_spawn as fsdp_spawn
+    from stratagem.strategies.fsdp import hsdp as hsdp
     from stratagem.strategies.fsdp_units import above_parameters as above_parameters
     from stratagem.strategies.fsdp_units import every_module_of as every_module_of
     from stratagem.strategies.single import single_device as single_device
@@ -114,6 +115,7 @@ _WHERE: dict[str, str] = {
     "every_module_of": "stratagem.strategies.fsdp_units",
     "fsdp": "stratagem.strategies.fsdp",
     "fsdp_spawn": "stratagem.strategies.fsdp",
+    "hsdp": "stratagem.strategies.fsdp",
     "single_device": "stratagem.strategies.single",
     "Strategy": "stratagem.strategy",
     "StrategyLike": "stratagem.strategy",
@@ -159,6 +161,7 @@ __all__ = [
     "every_module_of",
     "fsdp",
     "fsdp_spawn",
+    "hsdp",
     "joined",
     "launch",
     "move_to_device",

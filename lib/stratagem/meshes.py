@@ -35,13 +35,17 @@ _SHARD_SIZE = field(_is_shard_size, "'{name}'", _SHARD_SIZES)
 
 
 def mesh_dims(
-    env: Env, shard_size: ShardSize = "world", tensor_parallel: int = 1
+    env: Env,
+    shard_size: ShardSize = "world",
+    tensor_parallel: int = 1,
+    replicate: int | None = None,
 ) -> tuple[tuple[str, int], ...]:
     """Return the named dimensions of the mesh: data-parallel ones, then ``("tp", n)`` if any.
 
     The tensor-parallel groups are ``tensor_parallel`` consecutive ranks (the
     fastest links); the world over them is the data-parallel world, which
-    ``shard_size`` splits as for ``fsdp()``.
+    ``shard_size`` splits as for ``fsdp()``; ``replicate``, if given, is the
+    number of shard groups this must give (`hsdp`'s check of its arguments).
 
     Raises:
         UsageError: the groups do not divide the world evenly.
@@ -69,6 +73,11 @@ def mesh_dims(
         raise UsageError(
             f"fsdp: shard_size={shard_size!r} ({what}) does not divide the world of {over} "
             f"into equal shard groups; use one of {divisors}, or shard_size='world'."
+        )
+    if replicate is not None and replicate * size != data:
+        raise UsageError(
+            f"hsdp: replicate={replicate} x shard={size} is {replicate * size} ranks, but the "
+            f"world has {data} data-parallel ranks; choose sizes whose product is {data}."
         )
     dims = (("shard", data),) if size == data else (("replicate", data // size), ("shard", size))
     return dims + ((("tp", tensor_parallel),) if tensor_parallel > 1 else ())
@@ -121,9 +130,12 @@ class JoinMesh:
     join: SetupFn = attrs.field(factory=JoinProcessGroup)
     shard_size: ShardSize = attrs.field(default="world", validator=_SHARD_SIZE)
     tensor_parallel: int = attrs.field(default=1, validator=positive_int("JoinMesh({name}=...)"))
+    replicate: int | None = attrs.field(
+        default=None, validator=positive_int("hsdp({name}=...)", optional="None")
+    )
 
     def __call__(self, env: Env) -> Context:
         check_env(env, "setup")
-        mesh_dims(env, self.shard_size, self.tensor_parallel)  # fails before joining
+        mesh_dims(env, self.shard_size, self.tensor_parallel, self.replicate)  # before joining
         ctx = self.join(env)
         return ctx.with_extras(mesh=device_mesh(ctx, self.shard_size, self.tensor_parallel))

@@ -15,8 +15,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
+import attrs
 import torch
 
 from stratagem import checkpoint, collectives, training
@@ -39,6 +40,7 @@ from stratagem.strategies.fsdp_units import (
 )
 from stratagem.strategy import Strategy
 from stratagem.training import clip_grad_norm
+from stratagem.validators import is_int, require
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -59,6 +61,7 @@ __all__ = [
     "fsdp_no_sync",
     "fsdp_spawn",
     "fsdp_update",
+    "hsdp",
     "mesh_shape",
 ]
 
@@ -202,3 +205,25 @@ def fsdp_spawn(*, start: Spawn | None = None, **options: Any) -> Strategy:
         True
     """
     return spawned(fsdp(**options), start)
+
+
+def hsdp(*, replicate: int, shard: int, **options: Any) -> Strategy:
+    """Hybrid sharding: `fsdp` within groups of ``shard`` ranks, replicated ``replicate`` times.
+
+    The mesh is 2-D, ``("replicate", "shard")``: gradients are reduce-scattered
+    within a shard group and all-reduced across them. Under ``no_sync`` (and
+    so under ``accumulate``), both are skipped until the last micro-batch. The
+    product must be the world size (checked by ``setup``, before joining).
+
+    Example:
+        >>> hsdp(replicate=2, shard=2).setup.replicate
+        2
+
+    Raises:
+        UsageError: ``replicate`` or ``shard`` is not a positive int, or an option is malformed.
+    """
+    require(is_int(replicate, 1), "hsdp: 'replicate'", "a positive int", replicate)
+    require(is_int(shard, 1), "hsdp: 'shard'", "a positive int", shard)
+    strategy = fsdp(shard_size=shard, **options)
+    setup = attrs.evolve(cast(JoinMesh, strategy.setup), replicate=replicate)
+    return attrs.evolve(strategy, name="hsdp", setup=setup)
