@@ -11,6 +11,7 @@ top of it.
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -108,7 +109,9 @@ class TensorParallelWrap:
             broadcast_tensors([*module.parameters(), *module.buffers()], ctx, src=0)
         if isinstance(self.plan, Mapping):
             _check_paths(self.plan, module)
-            module = parallelize_module(module, mesh["tp"], dict(self.plan))
+            # Copies: parallelize_module writes into the styles it is given (src_data_rank).
+            styles = {path: copy.deepcopy(style) for path, style in self.plan.items()}
+            module = parallelize_module(module, mesh["tp"], styles)
         else:
             module = self.plan(module, mesh["tp"])
             require(

@@ -22,6 +22,7 @@ import attrs
 
 from stratagem.combinators._base import peel, rebased
 from stratagem.combinators.accumulation import AccumulationSetup
+from stratagem.combinators.tensor_parallel import TensorParallelWrap
 from stratagem.combinators.tracing import Traced
 from stratagem.strategies.ddp import WrapDDP
 from stratagem.strategies.single import single_device
@@ -57,7 +58,8 @@ def undistributed(strategy: StrategyLike, *, every: int | None = None) -> Strate
     }
     for name in FIELD_SIGNATURES:
         layers = _combinator_layers(peeled[name][0])
-        kept = [layer for layer in layers if not isinstance(layer, Traced)]
+        # Tracing records and tensor parallelism distributes: neither is part of the training.
+        kept = [layer for layer in layers if not isinstance(layer, (Traced, TensorParallelWrap))]
         if every is not None:
             kept = [
                 attrs.evolve(layer, every=every) if isinstance(layer, AccumulationSetup) else layer

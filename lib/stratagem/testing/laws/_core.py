@@ -11,11 +11,13 @@ import torch
 from stratagem.checkpoint import unwrap
 from stratagem.strategy import StrategyLike
 from stratagem.testing.world import World
+from stratagem.trees import map_tensors
 
 __all__ = [
     "LawViolation",
     "full_parameters",
     "max_difference",
+    "own_share",
     "run_on",
     "summarize",
 ]
@@ -126,6 +128,15 @@ def first_mismatch(
         if not difference <= tolerance:
             return index, difference
     return None
+
+
+def own_share(batch: Any, ctx: Any) -> Any:
+    """Return this rank's part of ``batch`` (every tensor in it), by ``ctx.data_parallel``.
+
+    The ranks of a tensor-parallel group hold parts of one model and take the same part.
+    """
+    index, size = ctx.data_parallel
+    return map_tensors(lambda t: t.chunk(size)[index], batch)
 
 
 def shares(batch: torch.Tensor, world_size: int) -> list[torch.Tensor]:

@@ -21,8 +21,8 @@ from stratagem.testing.laws._core import (
     first_mismatch,
     fresh_copy,
     full_parameters,
+    own_share,
     run_on,
-    shares,
     squares_mean,
     summarize,
 )
@@ -44,7 +44,7 @@ def _round_trip_rank(
 ) -> dict[str, Any]:
     model = strategy.wrap(fresh_copy(module), ctx)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # momentum: real state
-    mine = shares(batch, ctx.world_size)[ctx.rank]
+    mine = own_share(batch, ctx)
     # Whole windows of accumulate, and (a strategy that synchronises every k updates) k of them.
     window = ctx.extras.get("accumulation")
     for _ in range(updates * (window.every if isinstance(window, AccumulationState) else 1)):

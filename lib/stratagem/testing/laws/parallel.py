@@ -32,7 +32,7 @@ from stratagem.env import Env
 from stratagem.errors import UsageError, describe
 from stratagem.strategy import StrategyLike
 from stratagem.testing.contract import Contract
-from stratagem.testing.laws._core import LawViolation, run_on, squares_mean, summarize
+from stratagem.testing.laws._core import LawViolation, own_share, run_on, squares_mean, summarize
 from stratagem.testing.laws.state import first_difference, hint, snapshot
 from stratagem.testing.reference import buffers_rule, undistributed
 from stratagem.testing.world import World
@@ -182,19 +182,20 @@ def _rank_run(
     plan: _Plan,
     make_optimizer: OptimizerFactory,
     forward: Forward,
-) -> tuple[int, int | None, Snapshots]:
+) -> tuple[int, int | None, tuple[int, int], Snapshots]:
     start = perturbed(module, 0 if plan.synced_init else ctx.rank)
     model = strategy.wrap(start, ctx)
     optimizer = make_optimizer(model.parameters())
     micro = _micro_batches(ctx.extras, plan)
-    mine = share(batch, ctx.world_size, ctx.rank)
+    mine = own_share(batch, ctx)
     pieces = [share(mine, micro, i) for i in range(micro)]
     snapshots = [_packed(snapshot(model, optimizer))]
     for _ in range(plan.steps):
         _train(strategy, ctx, model, optimizer, pieces, plan, forward)
         snapshots.append(_packed(snapshot(model, optimizer)))
     window = ctx.extras.get("accumulation")  # what accumulate resolved for this world
-    return micro, window.every if isinstance(window, AccumulationState) else None, snapshots
+    every = window.every if isinstance(window, AccumulationState) else None
+    return micro, every, tuple(ctx.data_parallel), snapshots
 
 
 def _packed(state: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -454,28 +455,32 @@ def _check(
     _check_inputs(module, batch, size, forward)
     runs = run_on(world, size, _rank_run, strategy, module, batch, plan, optimizer, forward)
     micro, every = runs[0][0], runs[0][1]
-    if _length(batch) % (size * micro):
+    # Under tensor parallelism the ranks of a group share one part of the batch: the reference
+    # trains `parts` shares, and each rank is compared with its group's.
+    parts = runs[0][2][1]
+    if _length(batch) % (parts * micro):
         raise UsageError(
-            f"laws: each rank's share of {_length(batch) // size} samples does not split into "
+            f"laws: each rank's share of {_length(batch) // parts} samples does not split into "
             f"{micro} equal micro-batches; give a batch whose length is a multiple of "
-            f"{size * micro}."
+            f"{parts * micro}."
         )
     derived = _reference_for(strategy, reference, every)
     if contract.sync_every > 1:
         expected = _local_reference_run(
-            derived, module, batch, size, micro, plan, contract.sync_every, optimizer, forward
+            derived, module, batch, parts, micro, plan, contract.sync_every, optimizer, forward
         )
     else:
         rule = buffers_rule(strategy, contract)
         expected = _reference_run(
-            derived, module, batch, size, micro, every, plan, rule, optimizer, forward
+            derived, module, batch, parts, micro, every, plan, rule, optimizer, forward
         )
+    expected = [expected[index] for _, _, (index, _), _ in runs]
     inputs = (
         f"module={summarize(module)}, batch={summarize(batch)}, steps={plan.steps}, "
         f"micro-batches={micro}, optimizer={getattr(optimizer, '__name__', optimizer)}, "
         f"reference={getattr(derived, 'name', derived)!r}"
     )
-    results = [[_unpacked(state) for state in snaps] for _, _, snaps in runs]
+    results = [[_unpacked(state) for state in snaps] for _, _, _, snaps in runs]
     _judge(law, strategy, inputs, results, expected, contract, hint_for_law)
 
 

@@ -96,7 +96,12 @@ def _epochs(
         )  # fmt: skip
         runs.append(_passes(strategy, ctx, loader, epochs))
     count = len(list(strategy.shard(DataLoader(_indices(size), batch_size=batch_size), ctx)))
-    result: dict[str, Any] = {"map": runs, "count": count, "iterable": None}
+    result: dict[str, Any] = {
+        "map": runs,
+        "count": count,
+        "iterable": None,
+        "data_parallel": tuple(ctx.data_parallel),
+    }
     if iterable:
         streams = [_iterable(size, seed, shuffle) for _ in range(2)]
         with contextlib.suppress(UsageError):  # a shard may refuse streams, clearly
@@ -165,6 +170,10 @@ def check_shard_partition(
             "shard-partition", strategy, f"{kind}, {inputs}", f"{kind}: {found}"
         )
 
+    # The ranks of a tensor-parallel group take the same batches; the groups partition.
+    results = _one_per_group(results, broken("a model-parallel group"))
+    ranks = len(results)
+
     tail = ranks - 1 if not drop_last else size % ranks + ranks * batch_size
     _check_runs([r["map"] for r in results], tail, batch_size, epochs, shuffle, seed, size,
                 broken("a map-style dataset"))  # fmt: skip
@@ -183,6 +192,25 @@ def check_shard_partition(
             )
         _check_runs(streams, (ranks - 1) * batch_size, batch_size, epochs, shuffle, seed, size,
                     broken("an IterableDataset"))  # fmt: skip
+
+
+def _one_per_group(
+    results: list[dict[str, Any]], broken: Callable[[str], LawViolation]
+) -> list[dict[str, Any]]:
+    """Return one rank's results per data-parallel index, checking the others took the same."""
+    chosen: dict[int, tuple[int, dict[str, Any]]] = {}
+    for rank, result in enumerate(results):
+        index, _ = result["data_parallel"]
+        if index not in chosen:
+            chosen[index] = (rank, result)
+            continue
+        first, theirs = chosen[index]
+        if any(result[k] != theirs[k] for k in ("map", "count", "iterable")):
+            raise broken(
+                f"ranks {first} and {rank} are one data-parallel rank ({index}: parts of one "
+                "model) and took different batches; they must take the same"
+            )
+    return [chosen[index][1] for index in sorted(chosen)]
 
 
 def _check_runs(

@@ -13,8 +13,8 @@ import torch
 
 from stratagem.strategy import StrategyLike
 from stratagem.testing.contract import Contract
-from stratagem.testing.laws._core import LawViolation, run_on, squares_mean, summarize
-from stratagem.testing.laws.parallel import OptimizerFactory, perturbed, sgd_momentum, share
+from stratagem.testing.laws._core import LawViolation, own_share, run_on, squares_mean, summarize
+from stratagem.testing.laws.parallel import OptimizerFactory, perturbed, sgd_momentum
 from stratagem.testing.laws.state import first_difference, snapshot
 from stratagem.testing.world import World
 
@@ -32,7 +32,7 @@ def _states(
 ) -> list[dict[str, torch.Tensor]]:
     model = strategy.wrap(perturbed(module, 0 if synced_init else ctx.rank), ctx)
     optimizer = make_optimizer(model.parameters())
-    mine = share(batch, ctx.world_size, ctx.rank)
+    mine = own_share(batch, ctx)
     states = []
     for _ in range(updates):
         loss = strategy.step(model, mine, ctx, forward=squares_mean)

@@ -21,8 +21,8 @@ from stratagem.testing.laws._core import (
     fresh_copy,
     full_parameters,
     max_difference,
+    own_share,
     run_on,
-    shares,
     squares_mean,
     summarize,
 )
@@ -50,7 +50,7 @@ def _train_rank(
 ) -> list[torch.Tensor]:
     model = strategy.wrap(fresh_copy(module), ctx)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    mine = shares(batch, ctx.world_size)[ctx.rank]
+    mine = own_share(batch, ctx)
     pieces = mine.chunk(micro_batches)
     for _ in range(steps):
         for index, piece in enumerate(pieces):
@@ -78,7 +78,7 @@ def _no_sync_rank(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     model = strategy.wrap(fresh_copy(module), ctx)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    mine = shares(batch, ctx.world_size)[ctx.rank]
+    mine = own_share(batch, ctx)
     with strategy.no_sync(model, ctx):
         strategy.backward(strategy.step(model, mine, ctx, forward=forward), model, ctx)
         inside = _local_gradients(model)
@@ -241,7 +241,7 @@ def _autocast_rank(
         output: torch.Tensor = inner(data)
         return output
 
-    output = strategy.step(model, shares(batch, ctx.world_size)[ctx.rank], ctx, forward=forward)
+    output = strategy.step(model, own_share(batch, ctx), ctx, forward=forward)
     return bool(seen["enabled"]), seen["dtype"], str(output.dtype)
 
 
