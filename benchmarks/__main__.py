@@ -17,6 +17,7 @@ from benchmarks import (
     fsdp_step,
     import_time,
     launch_startup,
+    mesh_step,
     overhead_vs_params,
     report,
     single_step,
@@ -37,6 +38,7 @@ BENCHMARKS: dict[str, Callable[[bool], report.Result]] = {
         compiled_step,
         launch_startup,
         checkpoint_checksums,
+        mesh_step,
     )
 }
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -130,6 +130,15 @@ def seconds(value: float, *, signed: bool = False) -> str:
     return text
 
 
+def size_in_bytes(value: float, *, signed: bool = False) -> str:
+    """Format bytes with a binary unit: ``1572864`` is ``1.5 MiB``."""
+    scale, unit = next(
+        ((s, u) for s, u in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")) if abs(value) >= s),
+        (1, "B"),
+    )
+    return f"{value / scale:{'+' if signed else ''}.3g} {unit}"
+
+
 def table(results: Sequence[Result]) -> str:
     """One markdown row per case of every result."""
     lines = [
@@ -140,18 +149,19 @@ def table(results: Sequence[Result]) -> str:
     for result in results:
         name = result.benchmark + (" (quick)" if result.quick else "")
         for case in result.cases:
-            per = case.unit.removeprefix("s")  # "s/step" -> "/step"
+            per = "" if case.unit == "B" else case.unit.removeprefix("s")  # "s/step" -> "/step"
+            show = size_in_bytes if case.unit == "B" else seconds
             if case.target is None:
                 target = "—"
             else:
                 target = f"≤ {case.target:g} {'✓' if case.meets_target else '✗ missed'}"
             added = (
-                f"{seconds(case.added.median, signed=True)}{per} "
-                f"({seconds(case.added.q1, signed=True)} .. {seconds(case.added.q3, signed=True)})"
+                f"{show(case.added.median, signed=True)}{per} "
+                f"({show(case.added.q1, signed=True)} .. {show(case.added.q3, signed=True)})"
             )
             lines.append(
-                f"| {name} | {case.name} | {seconds(case.stratagem.median)}{per} "
-                f"| {seconds(case.plain.median)}{per} | {added} | {case.ratio.median:.3f} "
+                f"| {name} | {case.name} | {show(case.stratagem.median)}{per} "
+                f"| {show(case.plain.median)}{per} | {added} | {case.ratio.median:.3f} "
                 f"| {case.ratio.q1:.3f} .. {case.ratio.q3:.3f} | {target} | {case.notes} |"
             )
     return "\n".join(lines)

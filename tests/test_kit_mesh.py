@@ -16,7 +16,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 import stratagem as sg
 from helpers import block_plan, make_block
 from stratagem.sharding import shard_loader
-from stratagem.testing import LawViolation, check_all
+from stratagem.testing import Contract, LawViolation, check_all
 
 pytestmark = pytest.mark.slow
 
@@ -36,6 +36,25 @@ def test_tensor_parallel_strategies_pass_every_law(size, world):
     strategy = sg.tensor_parallel(sg.fsdp(), block_plan(), size=size)
     report = check_all(strategy, world_size=world, module=make_block(), batch=batch(4 * world))
     assert set(report.passed) == LAWS, report
+
+
+LOW = Contract(rtol=3e-2, atol=3e-2)  # bf16: the ranks and the reference round alike, mostly
+STACKS = {
+    "clipped (a global norm over two meshes)": (lambda s: sg.with_clipping(s, max_norm=0.05), None),
+    "accumulated": (lambda s: sg.accumulate(s, 2), None),
+    "bf16-mixed": (lambda s: sg.with_precision(s, "bf16-mixed"), LOW),
+    "checked": (sg.checked, None),
+}
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_combinators_on_fsdp_x_tp_pass_every_law(stack):
+    combine, contract = STACKS[stack]
+    strategy = combine(sg.tensor_parallel(sg.fsdp(), block_plan(), size=2))
+    report = check_all(
+        strategy, world_size=4, module=make_block(), batch=batch(16), contract=contract
+    )
+    assert set(report.passed) == LAWS | ({"step-autocast"} if contract else set()), report
 
 
 def test_hsdp_passes_every_law_on_2x2():

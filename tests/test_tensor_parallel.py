@@ -181,3 +181,18 @@ def test_an_fsdp_x_tp_checkpoint_loads_under_other_strategies_and_world_sizes(tm
             assert sorted(state) == sorted(saved), (name, rank)
             for key, value in saved.items():
                 assert torch.equal(state[key], value), f"{name}, rank {rank}: {key} differs"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("combinator", ["compiled", "traced"])
+def test_compiled_and_traced_fsdp_x_tp_train_as_one_process(combinator, tmp_path):
+    base = sg.tensor_parallel(sg.fsdp_spawn(), block_plan(), size=2)
+    trace = tmp_path / "trace.jsonl"
+    strategy = (
+        sg.compiled(base)
+        if combinator == "compiled"
+        else sg.traced(base, sg.combinators.JsonLinesSink(str(trace)))
+    )
+    assert_equal_to_reference(sg.launch(train, strategy, devices=4), reference())
+    if combinator == "traced":
+        assert '"field": "wrap"' in trace.read_text()

@@ -199,7 +199,26 @@ def clip_norm_(parameters: list[torch.Tensor], max_norm: float, norm_type: float
     Returns:
         The total norm before clipping, a plain tensor, the same on every rank.
     """
-    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+    groups: dict[int, list[torch.Tensor]] = {}
+    for parameter in parameters:
+        if parameter.grad is not None:
+            groups.setdefault(id(getattr(parameter.grad, "device_mesh", None)), []).append(
+                parameter.grad
+            )
+    if len(groups) <= 1:  # one mesh (or none): torch's own clipper, bit for bit
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        return _whole(norm)
+    # FSDP x TP: tensor-parallel gradients live on the 2-D mesh, the others on the data-parallel
+    # one, and DTensor does not mix meshes in one op: a norm per mesh, then the norm of those.
+    norms = [_whole(torch.nn.utils.get_total_norm(g, norm_type)) for g in groups.values()]
+    total = torch.nn.utils.get_total_norm(norms, norm_type)
+    coefficient = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    for grads in groups.values():
+        torch._foreach_mul_(grads, coefficient)
+    return total
+
+
+def _whole(norm: torch.Tensor) -> torch.Tensor:
     full = getattr(norm, "full_tensor", None)  # a DTensor norm of sharded gradients
     return full() if callable(full) else norm
 
@@ -210,8 +229,8 @@ def clip_grad_norm(
     """Scale ``module``'s gradients so that their total norm is at most ``max_norm``.
 
     Works on sharded (DTensor) gradients, computing the norm over every
-    shard, and on plain ones, so one call serves every strategy. Gradients
-    must all live on one mesh (as ``fsdp()`` puts them).
+    shard, and on plain ones, so one call serves every strategy; under FSDP x
+    TP, whose gradients live on two meshes, it is the norm of each mesh's norms.
 
     Args:
         module: the wrapped module, after ``backward``.
