@@ -18,6 +18,9 @@ if _typing.TYPE_CHECKING:
     from stratagem.checkpoint.entries import unwrap as unwrap
     from stratagem.combinators.accumulation import accumulate as accumulate
     from stratagem.combinators.checked import checked as checked
+    from stratagem.combinators.checkpointing import (
+        with_activation_checkpointing as with_activation_checkpointing,
+    )
     from stratagem.combinators.clipping import with_clipping as with_clipping
     from stratagem.combinators.compiled import compiled as compiled
     from stratagem.combinators.precision import with_precision as with_precision
@@ -85,6 +88,7 @@ _WHERE: dict[str, str] = {
     "compiled": "stratagem.combinators.compiled",
     "traced": "stratagem.combinators.tracing",
     "with_clipping": "stratagem.combinators.clipping",
+    "with_activation_checkpointing": "stratagem.combinators.checkpointing",
     "tensor_parallel": "stratagem.combinators.tensor_parallel",
     "with_precision": "stratagem.combinators.precision",
     "DeviceSpec": "stratagem.devices",
@@ -171,6 +175,7 @@ __all__ = [
     "tensor_parallel",
     "traced",
     "unwrap",
+    "with_activation_checkpointing",
     "with_clipping",
     "with_precision",
 ]

@@ -5,6 +5,9 @@ from stratagem.combinators.accumulation import accumulate as accumulate
 from stratagem.combinators.checked import CollectiveMismatchError as CollectiveMismatchError
 from stratagem.combinators.checked import Fingerprint as Fingerprint
 from stratagem.combinators.checked import checked as checked
+from stratagem.combinators.checkpointing import (
+    with_activation_checkpointing as with_activation_checkpointing,
+)
 from stratagem.combinators.clipping import with_clipping as with_clipping
 from stratagem.combinators.compiled import compiled as compiled
 from stratagem.combinators.precision import with_precision as with_precision
@@ -26,6 +29,7 @@ __all__ = [
     "compiled",
     "tensor_parallel",
     "traced",
+    "with_activation_checkpointing",
     "with_clipping",
     "with_precision",
 ]

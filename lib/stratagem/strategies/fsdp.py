@@ -129,6 +129,7 @@ def fsdp(
     mp_policy: MixedPrecisionPolicy | None = None,
     shard_size: ShardSize = "world",
     sync_module_states: bool = True,
+    offload: bool = False,
     device: DeviceSpec = "auto",
     backend: str | None = None,
     timeout: float | timedelta = timedelta(minutes=30),
@@ -155,6 +156,8 @@ def fsdp(
             rank before sharding (as ``ddp()`` does), so that ranks seeded
             differently start from the same model; ``False`` shards each
             rank's own initialisation (the caller guarantees they agree).
+        offload: keep sharded parameters, gradients and optimizer state in host
+            memory between uses (FSDP2's ``CPUOffloadPolicy``; pinned on CUDA).
         device: ``"auto"`` (``cuda:LOCAL_RANK``, else CPU) or a device.
         backend: ``None`` picks gloo on CPU and nccl on CUDA.
         timeout: seconds (or a ``timedelta``) for process-group init and collectives.
@@ -181,6 +184,7 @@ def fsdp(
             reshard_after_forward=reshard_after_forward,
             mp_policy=mp_policy,
             sync_module_states=sync_module_states,
+            offload=offload,
         ),
         step=training.step,
         backward=training.backward,

@@ -200,13 +200,16 @@ class WrapFSDP:
     ``sync_module_states`` (the default), rank 0's parameters and buffers are
     first copied to every rank, as ``ddp()`` does, so ranks seeded differently
     start from one model; a module on the meta device (initialised later) is
-    not copied.
+    not copied. With ``offload``, FSDP keeps the sharded parameters, gradients
+    and optimizer state in host memory (``CPUOffloadPolicy``, pinned on CUDA)
+    and copies each group to the device for its forward and backward.
     """
 
     shard_when: ShardPolicy | None = attrs.field(default=None, validator=_POLICY)
     reshard_after_forward: bool | int | None = attrs.field(default=None, validator=_RESHARD)
     mp_policy: MixedPrecisionPolicy | None = attrs.field(default=None, validator=_MP_POLICY)
     sync_module_states: bool = attrs.field(default=True, validator=a_bool("fsdp({name}=...)"))
+    offload: bool = attrs.field(default=False, validator=a_bool("fsdp({name}=...)"))
 
     def __call__(self, module: torch.nn.Module, ctx: Context) -> torch.nn.Module:
         from torch.distributed.fsdp import fully_shard
@@ -232,6 +235,11 @@ class WrapFSDP:
             options["reshard_after_forward"] = self.reshard_after_forward
         if self.mp_policy is not None:
             options["mp_policy"] = self.mp_policy
+        if self.offload:
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            # Pinned host memory speeds copies to a GPU; a CPU-only machine has none to pin.
+            options["offload_policy"] = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda")
         if self.mp_policy is not None and self.mp_policy.param_dtype not in (None, torch.float32):
             # BatchNorm keeps float32 statistics, which batch_norm does not mix with a
             # low-precision weight: each one is a group of its own, computed in float32.

@@ -1,0 +1,96 @@
+"""``with_activation_checkpointing``: recompute chosen submodules' activations in backward.
+
+Memory for compute: a checkpointed submodule keeps only its inputs through the
+forward and runs again during backward to rebuild what backward needs. The
+policy is a plain function ``module -> bool``, the same shape as ``fsdp()``'s
+``shard_when`` (`every_module_of`, `above_parameters` serve both). It is
+applied before the inner ``wrap`` shards or splits the module, with torch's
+composable ``checkpoint``, which hooks the module in place: parameter names,
+and so checkpoints, stay as they were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+import torch
+
+from stratagem.combinators._base import CombinatorError, applied, check_strategy
+from stratagem.env import Context, check_context
+from stratagem.errors import UsageError, describe
+from stratagem.fields import WrapFn
+from stratagem.strategy import Strategy
+from stratagem.validators import require
+
+__all__ = ["CheckpointPolicy", "CheckpointWrap", "with_activation_checkpointing"]
+
+CheckpointPolicy = Callable[[torch.nn.Module], bool]
+"""Which submodules to checkpoint: asked of each submodule (not the root), ``True`` for yes."""
+
+
+@attrs.frozen
+class CheckpointWrap:
+    """Wrap field: checkpoint each submodule ``policy`` picks, then run ``inner``.
+
+    A picked module's own descendants are not asked: recomputing the outer one
+    recomputes them.
+    """
+
+    inner: WrapFn
+    policy: CheckpointPolicy
+
+    def __call__(self, module: torch.nn.Module, ctx: Context) -> torch.nn.Module:
+        from torch.distributed._composable.checkpoint_activation import checkpoint
+
+        require(isinstance(module, torch.nn.Module), "wrap: 'module'", "a torch.nn.Module", module)
+        check_context(ctx, "wrap")
+        picked: list[str] = []
+        for name, child in module.named_modules():
+            if not name or any(name.startswith(f"{p}.") for p in picked):
+                continue
+            decision = self.policy(child)
+            if not isinstance(decision, bool):
+                raise UsageError(
+                    f"wrap: the checkpointing policy {self.policy!r} must return True or False, "
+                    f"but returned {describe(decision)} for {name!r} "
+                    f"(a {type(child).__name__})."
+                )
+            if decision:
+                checkpoint(child)
+                picked.append(name)
+        return self.inner(module, ctx)
+
+
+def with_activation_checkpointing(strategy: Strategy, policy: CheckpointPolicy) -> Strategy:
+    """Recompute the activations of the submodules ``policy`` picks during backward.
+
+    Fields touched: ``wrap`` only (`CheckpointWrap`, before the inner wrap).
+    Training is unchanged: the recomputed forward gives the same values, so a
+    checkpointed strategy passes the same laws against the same reference.
+
+    Example:
+        >>> import stratagem as sg
+        >>> s = with_activation_checkpointing(sg.fsdp(), sg.every_module_of(torch.nn.Linear))
+        >>> s.name
+        'fsdp+checkpointing'
+
+    Raises:
+        UsageError: ``strategy`` is not a `Strategy`, or ``policy`` is not callable.
+        CombinatorError: the strategy already checkpoints activations.
+    """
+    check_strategy(strategy, "with_activation_checkpointing")
+    require(
+        callable(policy),
+        "with_activation_checkpointing: 'policy'",
+        "a function module -> bool (e.g. sg.every_module_of(MyBlock))",
+        policy,
+    )
+    if applied(strategy, CheckpointWrap) is not None:
+        raise CombinatorError(
+            f"with_activation_checkpointing: strategy {strategy.name!r} already checkpoints "
+            "activations; apply it once, with one policy."
+        )
+    return attrs.evolve(
+        strategy, name=f"{strategy.name}+checkpointing", wrap=CheckpointWrap(strategy.wrap, policy)
+    )
