@@ -171,16 +171,35 @@ LOADERS = {
 }
 
 
+SOURCES = {
+    "fsdp x tp on 2x2": lambda: sg.tensor_parallel(sg.fsdp_spawn(), block_plan(), size=2),
+    "hsdp on 2x2": lambda: sg.spawned(sg.hsdp(replicate=2, shard=2)),
+}
+
+
 @pytest.mark.slow
-def test_an_fsdp_x_tp_checkpoint_loads_under_other_strategies_and_world_sizes(tmp_path):
+@pytest.mark.parametrize("source", SOURCES)
+def test_a_mesh_checkpoint_loads_under_other_strategies_and_world_sizes(tmp_path, source):
     path = str(tmp_path / "ckpt")
-    strategy = sg.tensor_parallel(sg.fsdp_spawn(), block_plan(), size=2)
-    saved = sg.launch(train_and_save, strategy, devices=4, args=(path,))[0]["state"]
+    saved = sg.launch(train_and_save, SOURCES[source](), devices=4, args=(path,))[0]["state"]
     for name, load in LOADERS.items():
         for rank, state in enumerate(load(path)):
             assert sorted(state) == sorted(saved), (name, rank)
             for key, value in saved.items():
                 assert torch.equal(state[key], value), f"{name}, rank {rank}: {key} differs"
+
+
+def parallelize_by_hand(module, tp_mesh):
+    """A plan given as a function: what a user's own parallelising code does."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    return parallelize_module(module, tp_mesh, block_plan())
+
+
+@pytest.mark.slow
+def test_a_plan_given_as_a_function_trains_as_one_process():
+    strategy = sg.tensor_parallel(sg.fsdp_spawn(), parallelize_by_hand)
+    assert_equal_to_reference(sg.launch(train, strategy, devices=2), reference())
 
 
 @pytest.mark.slow
