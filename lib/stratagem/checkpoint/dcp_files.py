@@ -119,6 +119,20 @@ class _VettedReader:
 
 
 @attrs.frozen
+class _OpenedFiles:
+    """DCP file system for reading: each file through the descriptor a `pinned` load holds."""
+
+    found: Found
+    inner: Any  # DCP's FileSystem, which opens what concat_path names
+
+    def concat_path(self, path: Any, suffix: str) -> Path:
+        return self.found.path_of(suffix)
+
+    def create_stream(self, path: Any, mode: str) -> Any:
+        return self.inner.create_stream(path, mode)
+
+
+@attrs.frozen
 class _SafePlanner:
     """DCP load planner: `DefaultLoadPlanner`, but reading non-tensor values ``weights_only``."""
 
@@ -221,7 +235,9 @@ def read(
         CheckpointError: a file could not be read, or a value was refused.
     """
     directory = found.directory
-    reader = _VettedReader(FileSystemReader(found.files), metadata)
+    files = FileSystemReader(directory)
+    files.fs = _OpenedFiles(found, files.fs)  # type: ignore[assignment]
+    reader = _VettedReader(files, metadata)
     planner = _SafePlanner(DefaultLoadPlanner(allow_partial_load=partial))
     try:
         with _world_of_one(ctx):

@@ -52,10 +52,9 @@ import re
 import shutil
 import socket
 import stat
-import tempfile
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -112,13 +111,18 @@ stage_hook: Callable[[str], None] = _ignore
 class Found:
     """A complete checkpoint: its directory and its manifest.
 
-    ``files`` is where its files are read from: the directory, or, while
-    `pinned`, a private folder of links to the files this process holds open.
+    ``opened`` names, while `pinned`, where each of its files can be read
+    again through the descriptor this process holds (``/proc/self/fd/N``);
+    other files, or all of them when not pinned, are read in the directory.
     """
 
     directory: Path
     manifest: dict[str, Any]
-    files: Path = attrs.field(default=attrs.Factory(lambda self: self.directory, takes_self=True))
+    opened: Mapping[str, Path] = attrs.field(factory=dict)
+
+    def path_of(self, name: str) -> Path:
+        """Return where to read the checkpoint's file ``name``."""
+        return self.opened.get(name, self.directory / name)
 
 
 def temporary(target: Path, token: str) -> Path:
@@ -227,7 +231,7 @@ def verify(found: Found) -> None:
         CheckpointError: a file's bytes changed since it was written (a flipped bit).
     """
     for name, expected in found.manifest.get("checksums", {}).items():
-        with open(found.files / name, "rb") as file:
+        with open(found.path_of(name), "rb") as file:
             if checksum(file) != expected:
                 raise unreadable(
                     found.directory,
@@ -257,20 +261,19 @@ def pinned(directory: Path) -> Iterator[Found]:
         raise unreadable(directory, "it is a file; a checkpoint is a directory") from None
     with contextlib.ExitStack() as held:
         held.callback(os.close, directory_fd)
-        opened = Path(f"/proc/self/fd/{directory_fd}")
-        view = Path(tempfile.mkdtemp(prefix="stratagem-load-"))
-        held.callback(shutil.rmtree, view, ignore_errors=True)
+        pinned_directory = Path(f"/proc/self/fd/{directory_fd}")
+        opened: dict[str, Path] = {}
         try:
-            manifest = read_manifest(opened, shown=directory)
+            manifest = read_manifest(pinned_directory, shown=directory)
             for name in manifest["files"]:
-                fd = os.open(opened / name, os.O_RDONLY | os.O_NOFOLLOW)
+                fd = os.open(pinned_directory / name, os.O_RDONLY | os.O_NOFOLLOW)
                 held.callback(os.close, fd)
-                (view / name).symlink_to(f"/proc/self/fd/{fd}")
+                opened[name] = Path(f"/proc/self/fd/{fd}")
         except (CheckpointError, FileNotFoundError):
-            if not (opened / MANIFEST).exists():  # a save is removing this version: gone
+            if not (pinned_directory / MANIFEST).exists():  # a save is removing this version
                 raise FileNotFoundError(f"load: {os.fspath(directory)!r} was removed") from None
             raise
-        yield Found(directory, manifest, files=view)
+        yield Found(directory, manifest, opened=opened)
 
 
 def _is_checkpoint(directory: Path) -> bool:
@@ -564,7 +567,7 @@ def read_metadata(found: Found) -> Metadata:
     from torch.distributed.checkpoint.metadata import Metadata
 
     directory = found.directory
-    with open(found.files / ".metadata", "rb") as file:
+    with open(found.path_of(".metadata"), "rb") as file:
         # The pure-Python unpickler looks find_class up on the instance, so it is
         # restricted without a subclass (house rule: no subclassing outside Protocols).
         unpickler = pickle._Unpickler(file)  # noqa: SLF001
