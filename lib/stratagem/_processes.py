@@ -3,6 +3,12 @@
 Messages between parent and ranks are tuples pickled with plain ``pickle``
 over one-way pipes; the rendezvous store is served by the parent on a socket
 bound to 127.0.0.1.
+
+A spawned rank must die with the process that started it, whenever that dies,
+also in its first seconds. This module is what a rank unpickles first (its
+entry point, `rank_main`), so it imports no torch at module level: the
+parent-death signal is armed before the slow imports, and the parent checked
+again after arming (see `die_with_parent`).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import gc
 import multiprocessing
 import os
 import pickle
+import re
 import signal
 import socket
 import sys
@@ -23,21 +30,24 @@ from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import torch
-from torch.distributed import TCPStore  # type: ignore[attr-defined]  # exported at run time
 
-from stratagem.env import Env
 from stratagem.errors import LaunchError, RankError, describe
-from stratagem.strategy import StrategyLike
+
+if TYPE_CHECKING:
+    from stratagem.env import Env
+    from stratagem.strategy import StrategyLike
 
 _PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
 
 __all__ = [
+    "LEFT_DURING_COLLECTIVE",
     "SpawnedWorld",
     "death_error",
+    "die_with_parent",
+    "error_message",
     "forwarding_signals",
     "local_env",
     "pack",
@@ -51,12 +61,59 @@ __all__ = [
     "stop",
 ]
 
+LEFT_DURING_COLLECTIVE = (
+    "rank(s) {finished} returned from the launched function while rank {rank} was still in a "
+    "collective, so rank {rank}'s collective failed ({exc_type}: {message}). Every rank must "
+    "make the same collective calls in the same order: call it on rank(s) {finished} too, or "
+    "on no rank."
+)
 
-def _die_with_parent() -> None:
-    # Linux: if the launching process dies without cleaning up (SIGKILL), its ranks die too.
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+def _libc() -> Any:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _arm_parent_death_signal() -> bool:
+    """Ask Linux to SIGKILL this process when its parent dies; whether that is now set."""
+    if not sys.platform.startswith("linux"):
+        return False
+    # prctl is variadic and reads unsigned longs: pass them as such, and check the result.
+    arguments = (ctypes.c_ulong(signal.SIGKILL), *(ctypes.c_ulong(0),) * 3)
+    try:
+        return int(_libc().prctl(_PR_SET_PDEATHSIG, *arguments)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _watch_parent(sentinel: int) -> None:
+    wait([sentinel])  # readable (EOF) only once the parent's end is closed: it is gone
+    _kill_self()
+
+
+def die_with_parent() -> None:
+    """End this spawned process when the process that started it ends, whenever that happens.
+
+    The parent-death signal (SIGKILL, which no handler catches) only covers a
+    parent that dies after it is armed; a parent that died in the child's
+    first moments has left it to init already, which the check of the parent
+    pid that follows catches. Where the signal cannot be armed (not Linux), a
+    daemon thread watches the parent's sentinel instead. Outside a
+    multiprocessing child this does nothing.
+    """
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.pid is None:
+        return
+    armed = _arm_parent_death_signal()
+    if os.getppid() != parent.pid:  # the launcher died before the signal was armed
+        _kill_self()
+    if not armed and parent.sentinel is not None:
+        threading.Thread(
+            target=_watch_parent, args=(parent.sentinel,), name="stratagem-parent", daemon=True
+        ).start()
 
 
 class _Interrupted(BaseException):
@@ -107,6 +164,8 @@ def forwarding_signals(processes: Sequence[BaseProcess]) -> Iterator[None]:
 
 def local_env(rank: int, world_size: int, port: int) -> Env:
     """Describe rank ``rank`` of a world spawned on this host, its store served by the parent."""
+    from stratagem.env import Env  # imports torch: not before a rank armed its death signal
+
     return Env(
         rank=rank,
         local_rank=rank,
@@ -120,8 +179,13 @@ def local_env(rank: int, world_size: int, port: int) -> Env:
 
 
 def prepare_rank(env: Env) -> None:
-    """Settle a spawned rank's process before it joins: loopback sockets, a fair share of cores."""
-    _die_with_parent()
+    """Settle a spawned rank's process before it joins: loopback sockets, a fair share of cores.
+
+    First of all it makes the rank die with its parent (`die_with_parent`).
+    """
+    die_with_parent()
+    import torch
+
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # spawned ranks share this host
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
@@ -145,6 +209,8 @@ def pack(fn: Callable[..., Any], strategy: StrategyLike, args: Sequence[Any]) ->
 @contextlib.contextmanager
 def rendezvous(timeout: float) -> Iterator[int]:
     """Serve a TCPStore from this process on a socket bound to 127.0.0.1; yield its port."""
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]  # exported at run time
+
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         listener.bind(("127.0.0.1", 0))
@@ -184,6 +250,25 @@ def receive(pipe: Connection) -> tuple[Any, ...]:
     return message
 
 
+def error_message(error: BaseException) -> str:
+    """Return ``str(error)``, or its ``repr`` (and what failed) when its ``__str__`` raises."""
+    try:
+        return str(error)
+    except Exception as failure:
+        try:
+            shown = repr(error)
+        except Exception:
+            shown = f"<{type(error).__qualname__} object>"
+        return f"{shown} (its __str__ raised {type(failure).__name__}: {_safe_str(failure)})"
+
+
+def _safe_str(error: BaseException) -> str:
+    try:
+        return str(error)
+    except Exception:
+        return "?"
+
+
 def send_error(pipe: Connection, error: BaseException) -> None:
     kind = type(error)
     name = (
@@ -191,8 +276,13 @@ def send_error(pipe: Connection, error: BaseException) -> None:
         if kind.__module__ == "builtins"
         else f"{kind.__module__}.{kind.__qualname__}"
     )
+    message = error_message(error)  # a failing __str__ must not lose the error
+    try:
+        remote = traceback.format_exc()
+    except Exception:
+        remote = ""
     with contextlib.suppress(Exception):  # a broken pipe: the parent is gone, nobody to tell
-        send(pipe, ("error", name, str(error), traceback.format_exc()))
+        send(pipe, ("error", name, message, remote))
 
 
 def death_error(rank: int, process: BaseProcess, grace: float) -> RankError:
@@ -246,7 +336,9 @@ class SpawnedWorld:
                 reader, writer = context.Pipe(duplex=False)
                 process = context.Process(
                     target=rank_main,
-                    args=(writer, self.payload, local_env(rank, self.devices, self.port)),
+                    # Plain ints, not an Env: unpickling one would import torch before the
+                    # rank could arm its parent-death signal.
+                    args=(writer, self.payload, rank, self.devices, self.port),
                     name=f"stratagem-rank-{rank}",
                 )
                 process.start()
@@ -294,15 +386,75 @@ class SpawnedWorld:
                         ) from None
                     continue
                 if kind == "error":
-                    raise remote_error(rank, body)
+                    raise self._first_cause(rank, body, watching, results, done_at)
                 results[rank] = body[0]
                 done_at[rank] = time.monotonic()
         return [results[rank] for rank in range(self.devices)]
 
+    def _first_cause(
+        self,
+        rank: int,
+        body: list[Any],
+        watching: dict[int, Connection],
+        results: dict[int, Any],
+        done_at: dict[int, float],
+    ) -> RankError:
+        """Return the error to raise for ``rank``'s error: its own, or what caused it.
 
-def rank_main(pipe: Connection, payload: bytes, env: Env) -> None:
+        A collective fails on one rank because another left it: that one died
+        (its death is the error), or it returned early (then the message says so,
+        instead of blaming the rank that waited for it). What the others sent
+        before this error is read first: a rank's result or its death precedes
+        the broken connection it causes.
+        """
+        error = remote_error(rank, body)
+        if not _in_collective(error.remote_traceback):
+            return error
+        others = {other: pipe for other, pipe in watching.items() if other != rank}
+        ready = wait(list(others.values()), _CAUSE_GRACE) if others else []
+        for other, pipe in others.items():
+            if pipe not in ready:
+                continue
+            try:
+                kind, *rest = receive(pipe)
+            except EOFError:
+                if other not in results:
+                    return death_error(other, self.processes[other], self.options.stop_grace)
+                continue
+            if kind == "ok":
+                results[other], done_at[other] = rest[0], time.monotonic()
+        finished = sorted(r for r in results if r != rank)
+        if not finished:
+            return error
+        return RankError(
+            rank,
+            exc_type=error.exc_type,
+            message=LEFT_DURING_COLLECTIVE.format(
+                finished=", ".join(map(str, finished)),
+                rank=rank,
+                exc_type=error.exc_type,
+                message=error.message,
+            ),
+            remote_traceback=error.remote_traceback,
+        )
+
+
+# Seconds the parent waits, after a rank's collective failed, for what the others sent before.
+_CAUSE_GRACE = 0.5
+_FRAME = re.compile(r'^\s*File "([^"]*)"', re.MULTILINE)
+
+
+def _in_collective(remote_traceback: str) -> bool:
+    """Whether a traceback ends inside torch.distributed (a collective or the store failed)."""
+    frames = _FRAME.findall(remote_traceback)
+    return bool(frames) and re.search(r"torch[/\\]distributed[/\\]", frames[-1]) is not None
+
+
+def rank_main(pipe: Connection, payload: bytes, rank: int, world_size: int, port: int) -> None:
     """Body of a spawned rank: join, run, report, leave, and exit without interpreter teardown."""
+    die_with_parent()  # first: nothing slow may come before it
     code = 0
+    env = local_env(rank, world_size, port)
     prepare_rank(env)
     try:
         fn, strategy, args = pickle.loads(payload)

@@ -26,9 +26,26 @@ from stratagem.devices import DeviceSpec, resolve_device
 from stratagem.env import Context, Env, check_context, check_env
 from stratagem.errors import LaunchError, UsageError, describe
 from stratagem.launching import MAX_SECONDS
-from stratagem.validators import choice
+from stratagem.validators import choice, positive_number
 
-__all__ = ["BACKENDS", "JoinProcessGroup", "leave", "leave_process_group"]
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_JOIN_TIMEOUT",
+    "NEVER_JOINED",
+    "JoinProcessGroup",
+    "leave",
+    "leave_process_group",
+]
+
+NEVER_JOINED = (
+    "setup: rank(s) {missing} of a world of {world_size} did not join within {timeout:g} s "
+    "(rank {rank} waited at the rendezvous store {where}; joined: {joined}). Check that every "
+    "rank started (its logs, the scheduler) and that all use the same MASTER_ADDR and "
+    "MASTER_PORT; if a rank is just slow to start, raise the setup's join_timeout."
+)
+
+DEFAULT_JOIN_TIMEOUT = 300.0
+_JOINED = "stratagem/joined"
 
 BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
 
@@ -62,6 +79,12 @@ def _positive_timeout(
 
 
 _BACKEND = choice("'{name}'", BACKENDS, optional="None (gloo on CPU, nccl on CUDA)")
+_JOIN_TIMEOUT = positive_number(
+    "'{name}'",
+    unit="seconds",
+    at_most=MAX_SECONDS,
+    hint="; it bounds how long setup waits for every rank to join the world",
+)
 
 
 @attrs.frozen(kw_only=True)
@@ -74,10 +97,16 @@ class JoinProcessGroup:
     serves the `Arrivals` checks of save, load and barrier, which give up
     after ``arrival_timeout`` seconds.
 
+    Joining waits at most ``join_timeout`` seconds (and never longer than
+    ``timeout``) to reach the store and for every rank to sign in there; a rank
+    that never comes is a `LaunchError` naming it (`NEVER_JOINED`), on every
+    rank that did.
+
     Raises:
         UsageError: ``env`` is not an `Env`, or the device is not available.
         LaunchError: a multi-rank world without a port, a process group already
-            initialised, or a store that cannot be served or reached.
+            initialised, a store that cannot be served or reached, or ranks that
+            did not join within ``join_timeout``.
     """
 
     device: DeviceSpec = "auto"
@@ -86,6 +115,7 @@ class JoinProcessGroup:
         default=timedelta(minutes=30), converter=_to_timedelta, validator=_positive_timeout
     )
     arrival_timeout: float = attrs.field(default=DEFAULT_TIMEOUT, converter=check_arrival_timeout)
+    join_timeout: float = attrs.field(default=DEFAULT_JOIN_TIMEOUT, validator=_JOIN_TIMEOUT)
 
     def __call__(self, env: Env) -> Context:
         check_env(env, "setup")
@@ -112,9 +142,12 @@ class JoinProcessGroup:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         store: Store
+        # A torchrun agent's store outlives a restart: each attempt signs in under its own prefix.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         if env.world_size == 1:
             store = HashStore()
         else:
+            joining = timedelta(seconds=min(self.join_timeout, self.timeout.total_seconds()))
             hosting = env.rank == 0 and not env.agent_store
             try:
                 store = TCPStore(
@@ -122,18 +155,69 @@ class JoinProcessGroup:
                     env.master_port,
                     world_size=env.world_size,
                     is_master=hosting,
-                    timeout=self.timeout,
+                    timeout=joining,
                     wait_for_workers=False,
                 )
             except RuntimeError as error:  # DistNetworkError, DistStoreError
                 raise LaunchError(_store_failure(env, hosting, error)) from error
-        dist.init_process_group(
-            backend, store=store, rank=env.rank, world_size=env.world_size, timeout=self.timeout
-        )
-        # A torchrun agent's store outlives a restart: each attempt signs in under its own prefix.
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            _await_every_rank(PrefixStore(f"attempt_{attempt}", store), env, joining)
+        try:
+            dist.init_process_group(
+                backend, store=store, rank=env.rank, world_size=env.world_size, timeout=self.timeout
+            )
+        finally:
+            if env.world_size > 1:
+                store.set_timeout(self.timeout)  # the store's later users wait as collectives do
         arrivals = Arrivals(PrefixStore(f"attempt_{attempt}", store), timeout=self.arrival_timeout)
         return Context(env=env, device=device, group=dist.group.WORLD, arrivals=arrivals)
+
+
+def _await_every_rank(store: Store, env: Env, timeout: timedelta) -> None:
+    """Sign this rank in at the store and wait for the others, or name those that never came.
+
+    Each rank leaves its own key (for the names) and counts itself in; the last
+    one sets the key everyone waits for, so a rank waits on one key, not on N.
+    """
+    done = f"{_JOINED}/all"
+    where = f"{env.master_addr}:{env.master_port}"
+    try:
+        store.set(f"{_JOINED}/rank/{env.rank}", str(os.getpid()))
+        if store.add(f"{_JOINED}/count", 1) >= env.world_size:
+            store.set(done, "")
+        store.wait([done], timeout)
+        return
+    except RuntimeError as error:  # DistStoreError: the wait timed out, or the store went away
+        failure = error
+    try:
+        if store.check([done]):  # the last one came just after the deadline
+            return
+        joined = [r for r in range(env.world_size) if store.check([f"{_JOINED}/rank/{r}"])]
+    except RuntimeError:
+        raise LaunchError(
+            f"setup: rank {env.rank} lost the rendezvous store at {where} while it waited for "
+            f"the other ranks to join ({failure}); the process that hosts it (rank 0, or the "
+            "launcher) has ended: see its error."
+        ) from failure
+    missing = [r for r in range(env.world_size) if r not in joined]
+    if not missing:  # all signed in, the last one is counting itself in
+        store.wait([done], timeout)
+        return
+    raise LaunchError(
+        NEVER_JOINED.format(
+            missing=_ranks(missing),
+            world_size=env.world_size,
+            timeout=timeout.total_seconds(),
+            rank=env.rank,
+            where=where,
+            joined=_ranks(joined),
+        )
+    ) from None
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) > 8:  # a world of thousands: the first few say enough
+        return f"{', '.join(map(str, ranks[:8]))}, ... ({len(ranks)} in all)"
+    return ", ".join(map(str, ranks))
 
 
 def _store_failure(env: Env, hosting: bool, error: RuntimeError) -> str:
@@ -146,7 +230,8 @@ def _store_failure(env: Env, hosting: bool, error: RuntimeError) -> str:
         )
     return (
         f"setup: rank {env.rank} could not reach the rendezvous store at {where} within "
-        f"the timeout ({error}); check MASTER_ADDR/MASTER_PORT and that rank 0 started."
+        f"the join timeout ({error}); check MASTER_ADDR/MASTER_PORT and that rank 0 started "
+        "(or raise the setup's join_timeout)."
     )
 
 
