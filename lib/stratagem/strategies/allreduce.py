@@ -29,7 +29,7 @@ from stratagem.devices import DeviceSpec, check_device_spec
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError
 from stratagem.launching import Spawn, in_place, spawned
-from stratagem.process_group import JoinProcessGroup, leave_process_group
+from stratagem.process_group import DEFAULT_JOIN_TIMEOUT, JoinProcessGroup, leave_process_group
 from stratagem.replicas import (
     MB,
     broadcast_optimizer_state,
@@ -187,6 +187,7 @@ def allreduce_grads(
     backend: str | None = None,
     timeout: float | timedelta = timedelta(minutes=30),
     arrival_timeout: float = DEFAULT_TIMEOUT,
+    join_timeout: float = DEFAULT_JOIN_TIMEOUT,
 ) -> Strategy:
     """Train the Horovod way: no wrapper, gradients all-reduced in buckets just before the step.
 
@@ -207,6 +208,8 @@ def allreduce_grads(
             collective wait before failing.
         arrival_timeout: seconds that ``save``, ``load`` and ``barrier`` wait for every
             rank to call them (see `ddp`).
+        join_timeout: seconds that setup waits for every rank to join the world;
+            a rank that never comes is a `LaunchError` naming it.
 
     Raises:
         UsageError: an option has the wrong type or value.
@@ -224,6 +227,7 @@ def allreduce_grads(
             backend=backend,
             timeout=timeout,
             arrival_timeout=arrival_timeout,
+            join_timeout=join_timeout,
         ),
         wrap=broadcast_module,
         step=training.step,

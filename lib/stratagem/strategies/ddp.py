@@ -22,7 +22,7 @@ from stratagem.devices import DeviceSpec, check_device_spec
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError
 from stratagem.launching import Spawn, in_place, spawned
-from stratagem.process_group import JoinProcessGroup, leave_process_group
+from stratagem.process_group import DEFAULT_JOIN_TIMEOUT, JoinProcessGroup, leave_process_group
 from stratagem.replicas import broadcast_tensors
 from stratagem.sharding import shard_loader
 from stratagem.strategy import Strategy
@@ -110,6 +110,7 @@ def ddp(
     backend: str | None = None,
     timeout: float | timedelta = timedelta(minutes=30),
     arrival_timeout: float = DEFAULT_TIMEOUT,
+    join_timeout: float = DEFAULT_JOIN_TIMEOUT,
     find_unused_parameters: bool = False,
     gradient_as_bucket_view: bool = False,
     static_graph: bool = False,
@@ -134,6 +135,8 @@ def ddp(
         static_graph: passed to ``DistributedDataParallel``.
         broadcast_buffers: passed to ``DistributedDataParallel``.
         bucket_cap_mb: passed to ``DistributedDataParallel`` (``None``: its default).
+        join_timeout: seconds that setup waits for every rank to join the world;
+            a rank that never comes is a `LaunchError` naming it.
 
     Raises:
         UsageError: an option has the wrong type or value.
@@ -146,6 +149,7 @@ def ddp(
             backend=backend,
             timeout=timeout,
             arrival_timeout=arrival_timeout,
+            join_timeout=join_timeout,
         ),
         wrap=WrapDDP(
             DDPOptions(

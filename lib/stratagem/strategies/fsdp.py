@@ -27,7 +27,7 @@ from stratagem.env import Context, check_context
 from stratagem.errors import UsageError
 from stratagem.launching import Spawn, in_place, spawned
 from stratagem.meshes import JoinMesh, ShardSize, device_mesh, mesh_shape
-from stratagem.process_group import JoinProcessGroup, leave_process_group
+from stratagem.process_group import DEFAULT_JOIN_TIMEOUT, JoinProcessGroup, leave_process_group
 from stratagem.sharding import shard_loader
 from stratagem.strategies.fsdp_units import (
     AboveParameters,
@@ -134,6 +134,7 @@ def fsdp(
     backend: str | None = None,
     timeout: float | timedelta = timedelta(minutes=30),
     arrival_timeout: float = DEFAULT_TIMEOUT,
+    join_timeout: float = DEFAULT_JOIN_TIMEOUT,
 ) -> Strategy:
     """Fully sharded data parallel (``fully_shard``) on the ranks torchrun or SLURM started.
 
@@ -163,6 +164,8 @@ def fsdp(
         timeout: seconds (or a ``timedelta``) for process-group init and collectives.
         arrival_timeout: seconds that ``save``, ``load`` and ``barrier`` wait for every
             rank to call them (see `ddp`).
+        join_timeout: seconds that setup waits for every rank to join the world;
+            a rank that never comes is a `LaunchError` naming it.
 
     Raises:
         UsageError: an option has the wrong type or value.
@@ -176,6 +179,7 @@ def fsdp(
                 backend=backend,
                 timeout=timeout,
                 arrival_timeout=arrival_timeout,
+                join_timeout=join_timeout,
             ),
             shard_size=shard_size,
         ),
