@@ -7,27 +7,17 @@ a whole checkpoint.
 
 from __future__ import annotations
 
-import multiprocessing
 import random
 import threading
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 import stratagem as sg
 
 ROUNDS = 20
 SIZE = 256  # 256 KiB of weights: a save takes long enough for another to run into it
-
-
-@pytest.fixture(scope="module")
-def processes():
-    """Children forked from one server that imported torch and DCP once: a child costs no imports."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "stratagem", "stratagem.checkpoint.dcp_files"])
-    return context
 
 
 def single() -> sg.Context:

@@ -8,7 +8,6 @@ writing its shard.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import time
@@ -25,14 +24,6 @@ pytestmark = pytest.mark.slow
 CRASHED = 17
 STAGES_BEFORE_COMMIT = ("writing", "written", "manifest", "moved-aside")
 STAGES_AFTER_COMMIT = ("committed", "discarding")
-
-
-@pytest.fixture(scope="module")
-def processes():
-    """Children forked from one server that imported torch and DCP once: a child costs no imports."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "stratagem", "stratagem.checkpoint.dcp_files"])
-    return context
 
 
 def single() -> sg.Context:

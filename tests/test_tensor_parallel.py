@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import stratagem as sg
 from helpers import block_plan, make_block
 from stratagem.combinators.tensor_parallel import TensorParallelWrap
+from stratagem.meshes import mesh_dims
 
 STEPS = 3
 BATCH = 8  # global batch; 4 per data-parallel rank on the 2x2 mesh
@@ -215,3 +216,18 @@ def test_compiled_and_traced_fsdp_x_tp_train_as_one_process(combinator, tmp_path
     assert_equal_to_reference(sg.launch(train, strategy, devices=4), reference())
     if combinator == "traced":
         assert '"field": "wrap"' in trace.read_text()
+
+
+def test_a_mesh_that_does_not_fit_the_world_is_refused_before_joining():
+    strategy = sg.tensor_parallel(sg.fsdp(), block_plan(), size=3)
+    env = sg.Env(rank=0, world_size=4, local_world_size=4, master_port=1)  # nothing listens there
+    with pytest.raises(sg.UsageError, match=r"size=3 does not divide the world of 4 ranks"):
+        strategy.setup(env)
+    hybrid = sg.tensor_parallel(sg.fsdp(shard_size=3), block_plan(), size=2)
+    with pytest.raises(sg.UsageError, match=r"shard_size=3 .* world of 4 data-parallel ranks"):
+        hybrid.setup(sg.Env(rank=0, world_size=8, local_world_size=8, master_port=1))
+    assert mesh_dims(sg.Env(world_size=8, local_world_size=8), 2, tensor_parallel=2) == (
+        ("replicate", 2),
+        ("shard", 2),
+        ("tp", 2),
+    )
