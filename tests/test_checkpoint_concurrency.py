@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 import stratagem as sg
@@ -63,6 +64,7 @@ def write_in_rounds(path: str, writer: int, barrier, results) -> None:
         barrier.wait(120)
 
 
+@pytest.mark.slow
 def test_two_saves_to_one_path_never_corrupt_it(tmp_path, processes):
     path = tmp_path / "ckpt"
     sg.checkpoint.save(path, state_of(1), single())

@@ -94,6 +94,7 @@ for call in (
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("special", ["fifo", "link to /dev/zero"])
 def test_a_manifest_that_is_not_a_file_is_refused_at_once(tmp_path, special):
     path = tmp_path / "ckpt"
@@ -200,6 +201,7 @@ print(json.dumps({"message": message, "stages": stages, "version": version,
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["data", "manifest"])
 def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(tmp_path, case):
     mount = tmp_path / "disk"

@@ -21,7 +21,15 @@ def python_blocks(path: Path) -> list[str]:
     return re.findall(r"^```python\n(.*?)^```", path.read_text(), flags=re.S | re.M)
 
 
-@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+# Pages whose examples launch 4-rank worlds belong to the full run only.
+SLOW_PAGES = {"parallelism.md"}
+
+
+@pytest.mark.parametrize(
+    "path",
+    [pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW_PAGES else p for p in DOCS],
+    ids=lambda p: p.name,
+)
 def test_python_blocks_run(path, tmp_path):
     blocks = python_blocks(path)
     assert blocks, f"{path.name} has no python blocks"

@@ -100,6 +100,7 @@ EVIL = {
 }
 
 
+@pytest.mark.slow
 def test_stratagem_checkpoint_escapes_the_names_it_prints(tmp_path):
     path = tmp_path / "ckpt"
     checkpoint.save(path, EVIL, local_ctx())

@@ -252,6 +252,7 @@ def test_ranks_die_with_a_launcher_killed_at_any_moment_of_their_start_up(
     assert kill_during_start_up(tmp_path, delays) == {}
 
 
+@pytest.mark.slow
 def test_ranks_die_with_a_launcher_killed_whatever_they_are_doing(tmp_path: Path) -> None:
     modes = ["collective", "barrier", "retry", "reporting"]
     with launchers(tmp_path, modes) as started:
@@ -272,6 +273,7 @@ def test_ranks_die_with_a_launcher_killed_whatever_they_are_doing(tmp_path: Path
     assert left == {mode: [] for mode in modes}
 
 
+@pytest.mark.slow
 def test_ranks_die_with_a_launcher_killed_while_it_starts_its_world_again(
     tmp_path: Path,
 ) -> None:
@@ -314,6 +316,7 @@ def test_the_join_timeout_is_its_own_and_shorter_than_the_collective_timeout() -
     assert time.monotonic() - start < 30
 
 
+@pytest.mark.slow
 def test_a_rank_whose_store_host_never_comes_gives_up_after_the_join_timeout() -> None:
     start = time.monotonic()
     with pytest.raises(sg.LaunchError, match="rank 1 could not reach the rendezvous store"):
@@ -345,6 +348,7 @@ def reduce_one(strategy: sg.StrategyLike, ctx: sg.Context) -> float:
     return float(strategy.reduce(torch.ones(1), "sum", ctx).item())
 
 
+@pytest.mark.slow
 def test_a_spawned_rank_that_never_joins_is_named_not_a_store_error() -> None:
     strategy = sg.ddp_spawn(timeout=4, start=sg.Spawn(stop_grace=2))
     strategy = attrs.evolve(strategy, setup=NeverOnRankOne(strategy.setup))

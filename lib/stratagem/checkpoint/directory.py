@@ -368,8 +368,14 @@ def _claim(target: Path) -> int:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            owner = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "unknown"
+            owner = ""
+            for _ in range(20):  # the holder names itself just after it locks
+                owner = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
+                if owner:
+                    break
+                time.sleep(0.01)
             os.close(fd)
+            owner = owner or "a process that has not yet written its pid"
             raise CheckpointError(
                 f"save: another save to {os.fspath(target)!r} is writing it ({owner}); two "
                 "saves to one path would overwrite each other's files. Let it finish, or save "

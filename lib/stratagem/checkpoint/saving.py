@@ -289,14 +289,17 @@ def opened(target: Path, ctx: Context) -> Iterator[tuple[Found, Metadata]]:
         CheckpointError: it is not a complete, unaltered checkpoint, or saves
             replaced it every time the ranks tried to open it.
     """
-    for _ in range(_OPEN_TRIES):
+    for attempt in range(_OPEN_TRIES):
         with contextlib.ExitStack() as held:
 
-            def first() -> tuple[Found, Metadata] | None:
-                resolved = directory.resolve(target)
+            def first(last: bool = attempt == _OPEN_TRIES - 1) -> tuple[Found, Metadata] | None:
                 try:
+                    resolved = directory.resolve(target)
                     found = held.enter_context(directory.pinned(resolved.directory))
-                except FileNotFoundError:  # a save moved it between the two looks
+                except (FileNotFoundError, CheckpointError):
+                    if last:  # not a save's renames: the path holds no whole checkpoint
+                        raise
+                    # A save may have been between its renames, or removing what was found.
                     return None
                 return found, _checked(found)
 
