@@ -162,7 +162,7 @@ def _read_small(path: Path, limit: int) -> bytes:
             raise OSError(errno.EINVAL, "not a regular file")
         if status.st_size > limit:
             raise OSError(errno.EFBIG, f"{status.st_size} bytes, more than {limit}")
-        return file.read(limit + 1)[:limit]
+        return file.read(limit)
 
 
 def read_manifest(directory: Path, shown: Path | None = None) -> dict[str, Any]:

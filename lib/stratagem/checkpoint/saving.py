@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import attrs
 import torch
+import torch.distributed as dist
 
 from stratagem import collectives
 from stratagem.checkpoint import directory
@@ -200,10 +201,11 @@ def save(
         dcp_files.write(tmp, written_by_this_rank(saved, per_rank, ctx), ctx)
         # Every rank has written its files. Not collectives.barrier: all ranks are known to be
         # here, and one writing a larger share may take longer than the arrival timeout.
-        sums = dcp_files.checksums(tmp, ctx) if checksums else None
+        if checksums:
+            manifest["checksums"] = dcp_files.checksums(tmp, ctx)  # its gather is the barrier
+        elif ctx.group is not None and ctx.world_size > 1:
+            dist.barrier(group=ctx.group)
         directory.stage_hook("written")
-        if sums is not None:
-            manifest["checksums"] = sums
         on_main(ctx, lambda: directory.commit(tmp, target, manifest, keep_last))
     except BaseException as error:
         if ctx.is_main:
@@ -294,8 +296,11 @@ def opened(target: Path, ctx: Context) -> Iterator[tuple[Found, Metadata]]:
 
             def first(last: bool = attempt == _OPEN_TRIES - 1) -> tuple[Found, Metadata] | None:
                 try:
-                    resolved = directory.resolve(target)
-                    found = held.enter_context(directory.pinned(resolved.directory))
+                    try:
+                        found = held.enter_context(directory.pinned(target))
+                    except FileNotFoundError:  # between a save's renames: the previous one aside
+                        aside = directory.resolve(target).directory
+                        found = held.enter_context(directory.pinned(aside))
                 except (FileNotFoundError, CheckpointError):
                     if last:  # not a save's renames: the path holds no whole checkpoint
                         raise
