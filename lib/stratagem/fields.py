@@ -170,8 +170,12 @@ class SaveFn(Protocol):
 
     def __call__(
         self, path: str | os.PathLike[str], state: Mapping[str, Any], ctx: Context, /
-    ) -> None:
-        """Save ``state`` (modules, optimizers, plain values) at ``path``."""
+    ) -> object:
+        """Save ``state`` (modules, optimizers, plain values) at ``path``.
+
+        What it returns is the caller's: the built-ins return ``None``, or a
+        `stratagem.checkpoint.PendingSave` for ``blocking=False``.
+        """
         ...
 
 

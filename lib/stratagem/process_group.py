@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 from datetime import timedelta
 
 import attrs
@@ -21,6 +22,7 @@ from torch.distributed import (  # type: ignore[attr-defined]  # exported at run
     TCPStore,
 )
 
+from stratagem import pending
 from stratagem.arrivals import DEFAULT_TIMEOUT, Arrivals, check_arrival_timeout
 from stratagem.devices import DeviceSpec, resolve_device
 from stratagem.env import Context, Env, check_context, check_env
@@ -141,6 +143,10 @@ class JoinProcessGroup:
             )
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        if env.world_size == env.local_world_size > 1 and sys.platform == "linux":
+            # A world on one host: gloo's interface is the loopback one. Left to guess, gloo picks
+            # the host name's address, and a world torchrun restarts then fails to connect.
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         store: Store
         # A torchrun agent's store outlives a restart: each attempt signs in under its own prefix.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -238,10 +244,13 @@ def _store_failure(env: Env, hosting: bool, error: RuntimeError) -> str:
 def leave_process_group(ctx: Context) -> None:
     """Teardown field: destroy the process group once nothing uses it any more."""
     check_context(ctx, "teardown")
-    # A DDP reducer still alive when a gloo group is destroyed can deadlock: collect first.
-    gc.collect()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    try:
+        pending.settle()  # a save still writing finishes first: it writes over this world
+    finally:
+        # A DDP reducer still alive when a gloo group is destroyed can deadlock: collect first.
+        gc.collect()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def leave(ctx: Context) -> None:
@@ -251,3 +260,4 @@ def leave(ctx: Context) -> None:
         UsageError: ``ctx`` is not a `Context` (as on N ranks).
     """
     check_context(ctx, "teardown")
+    pending.settle()

@@ -8,10 +8,12 @@ restores for itself (every other entry is saved from rank 0). See
 ``docs/checkpoints.md``.
 """
 
+from stratagem.checkpoint.background import PendingSave as PendingSave
 from stratagem.checkpoint.directory import latest as latest
 from stratagem.checkpoint.entries import PerRank as PerRank
 from stratagem.checkpoint.entries import per_rank as per_rank
 from stratagem.checkpoint.entries import unwrap as unwrap
+from stratagem.checkpoint.resuming import resume_or_start as resume_or_start
 from stratagem.checkpoint.saving import load as load
 from stratagem.checkpoint.saving import save as save
 from stratagem.checkpoint.summary import Description as Description
@@ -22,12 +24,14 @@ from stratagem.errors import CheckpointError as CheckpointError
 __all__ = [
     "CheckpointError",
     "Description",
+    "PendingSave",
     "PerRank",
     "TensorInfo",
     "describe",
     "latest",
     "load",
     "per_rank",
+    "resume_or_start",
     "save",
     "unwrap",
 ]

@@ -9,6 +9,7 @@ DCP's own planner unpickles them without restriction.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import io
 import warnings
@@ -30,6 +31,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
@@ -38,7 +40,18 @@ from stratagem.checkpoint.directory import Found, checksum, refusal, unreadable
 from stratagem.env import Context
 from stratagem.errors import CheckpointError
 
-__all__ = ["check_storage", "checksums", "read", "read_values", "write"]
+__all__ = [
+    "check_storage",
+    "checksums",
+    "failure_of",
+    "read",
+    "read_values",
+    "write",
+    "write_async",
+]
+
+
+_ONE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized"
 
 
 @contextlib.contextmanager
@@ -46,9 +59,7 @@ def _world_of_one(ctx: Context) -> Iterator[None]:
     with warnings.catch_warnings():
         if ctx.group is None:
             # A world of one has no process group by design; DCP warns that it assumes so.
-            warnings.filterwarnings(
-                "ignore", "torch.distributed is disabled, unavailable or uninitialized", UserWarning
-            )
+            warnings.filterwarnings("ignore", _ONE_PROCESS, UserWarning)
         yield
 
 
@@ -87,6 +98,47 @@ def write(directory: Path, state_dict: dict[str, Any], ctx: Context) -> None:
             )
     except (Exception, CheckpointException) as error:  # DCP's error is a BaseException
         raise _failure(error, f"save: writing {str(directory)!r}") from None
+
+
+def write_async(
+    directory: Path, state_dict: dict[str, Any], ctx: Context
+) -> concurrent.futures.Future[Any]:
+    """Copy ``state_dict`` to CPU memory now; write it into ``directory`` on DCP's thread.
+
+    Returns once the copy is taken, so the caller may change its tensors; the
+    future completes when this rank's files (and, on rank 0, ``.metadata``) are
+    written. ``ctx.group`` must be a gloo group used by nothing else meanwhile:
+    its collectives run on that thread.
+
+    Raises:
+        CheckpointError: the state could not be staged (the writing's own
+            failures arrive through the future, as `write` raises them).
+    """
+    writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=True)
+    if ctx.group is None:
+        # DCP's thread warns that a world of one is one; `_world_of_one` cannot reach that
+        # thread (warning filters are per process, and restored when the block ends), so this
+        # one message of DCP's is ignored for the process.
+        warnings.filterwarnings("ignore", _ONE_PROCESS, UserWarning)
+    try:
+        with _world_of_one(ctx):
+            return cast(
+                "concurrent.futures.Future[Any]",
+                dcp_async_save(
+                    state_dict,
+                    storage_writer=writer,
+                    planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
+                    process_group=ctx.group,
+                    no_dist=ctx.group is None,
+                ),
+            )
+    except (Exception, CheckpointException) as error:
+        raise _failure(error, f"save: staging the state for {str(directory)!r}") from None
+
+
+def failure_of(error: BaseException, directory: Path) -> CheckpointError:
+    """Return the error a failed asynchronous write raises, as `write` would raise it."""
+    return _failure(error, f"save: writing {str(directory)!r}")
 
 
 @attrs.frozen

@@ -76,6 +76,7 @@ __all__ = [
     "commit",
     "decode",
     "discard",
+    "disk_full",
     "encode",
     "latest",
     "pinned",
@@ -101,7 +102,8 @@ def _ignore(stage: str) -> None:
     pass
 
 
-# Called with the name of each stage of a save: "writing" and "written" on every rank, then
+# Called with the name of each stage of a save: "writing" and "written" on every rank ("staging"
+# first for a save with blocking=False, which calls "written" on its background thread), then
 # "manifest", "moved-aside", "committed", "discarding" on rank 0. Crash tests replace it to
 # kill the process there; nothing else should.
 stage_hook: Callable[[str], None] = _ignore
@@ -470,6 +472,40 @@ def commit(tmp: Path, target: Path, manifest: dict[str, Any], keep_last: int | N
             _prune(target, keep_last)
     finally:
         _release(tmp, target)
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def disk_full(error: BaseException, target: Path) -> CheckpointError | None:
+    """Return the error to raise when a save failed for want of space, else ``None``."""
+    causes: list[BaseException] = []
+    seen: BaseException | None = error
+    while seen is not None and len(causes) < 8:
+        causes.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    text = " ".join(str(c) for c in causes)
+    with contextlib.suppress(OSError):
+        status = os.statvfs(target.parent)
+        if status.f_bavail == 0:
+            text += " no space left"
+    full = any(isinstance(c, OSError) and c.errno in _FULL for c in causes) or any(
+        marker in text.lower() for marker in ("no space left", "quota exceeded", "unexpected pos")
+    )
+    if not full:
+        return None
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    kept = (
+        f"the previous checkpoint at {os.fspath(target)!r} is intact"
+        if target.exists()
+        else f"nothing was written at {os.fspath(target)!r}"
+    )
+    return CheckpointError(
+        f"save: the disk holding {os.fspath(target.parent)!r} is full (or a quota or file-size "
+        f"limit was reached) while writing the checkpoint; {kept}, and this save's partial "
+        f"files were removed. Free some space (keep_last= prunes old checkpoints) and save "
+        f"again. ({type(error).__name__}: {first_line})"
+    )
 
 
 def _checkpoints_in(directory: Path) -> Iterator[Found]:

@@ -9,7 +9,6 @@ objects is touched.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import secrets
@@ -22,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from stratagem import collectives
-from stratagem.checkpoint import directory
+from stratagem.checkpoint import background, directory
+from stratagem.checkpoint.background import PendingSave
 from stratagem.checkpoint.directory import Found, decode, read_metadata, unreadable
 from stratagem.checkpoint.entries import (
     KINDS,
@@ -110,7 +110,8 @@ def save(
     rng: bool = True,
     verify: bool = False,
     checksums: bool = False,
-) -> None:
+    blocking: bool = True,
+) -> PendingSave | None:
     """Write ``state`` to the directory ``path``, atomically, on every rank of ``ctx``.
 
     Replicated entries (all but sharded tensors and `per_rank` entries) are
@@ -139,6 +140,15 @@ def save(
             reads back the files it wrote: off by default, since that costs
             more than 5 % of a save here (``python -m benchmarks
             checkpoint_checksums``).
+        blocking: ``False`` returns as soon as this rank's share of the state
+            is copied to CPU memory and writes it in the background (see
+            `stratagem.checkpoint.background`); the returned `PendingSave`'s
+            ``wait()`` raises what a blocking save would have raised. One save
+            is in flight at a time: the next save, and the teardown, wait for
+            it first.
+
+    Returns:
+        ``None``, or the `PendingSave` when ``blocking`` is ``False``.
 
     Raises:
         UsageError: ``path``, ``state``, ``ctx``, ``keep_last``, ``rng``,
@@ -155,6 +165,7 @@ def save(
     _check_flag(rng, "rng", "save")
     _check_flag(verify, "verify", "save")
     _check_flag(checksums, "checksums", "save")
+    _check_flag(blocking, "blocking", "save")
     if keep_last is not None and (
         isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
     ):
@@ -162,6 +173,7 @@ def save(
             f"save: 'keep_last' must be None or a positive int (got {describe(keep_last)})."
         )
     entries = classify(state, "save")
+    background.settle()  # one save in flight: the last one ends (or raises) before this starts
     saved: dict[str, Any] = {}
     ties: dict[str, dict[str, str]] = {}
     error: Exception | None = None
@@ -196,9 +208,14 @@ def save(
         "rng": rng,
         "torch": torch.__version__,
     }
+    files = written_by_this_rank(saved, per_rank, ctx)
+    if not blocking:
+        return background.start(
+            files, tmp, target, manifest, ctx, keep_last=keep_last, checksums=checksums
+        )
     try:
         directory.stage_hook("writing")
-        dcp_files.write(tmp, written_by_this_rank(saved, per_rank, ctx), ctx)
+        dcp_files.write(tmp, files, ctx)
         # Every rank has written its files. Not collectives.barrier: all ranks are known to be
         # here, and one writing a larger share may take longer than the arrival timeout.
         if checksums:
@@ -210,44 +227,11 @@ def save(
     except BaseException as error:
         if ctx.is_main:
             directory.abandon(tmp, target)
-        full = _disk_full(error, target)
+        full = directory.disk_full(error, target)
         if full is not None:
             raise full from None
         raise
-
-
-_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-
-
-def _disk_full(error: BaseException, target: Path) -> CheckpointError | None:
-    """Return the error to raise when a save failed for want of space, else ``None``."""
-    causes: list[BaseException] = []
-    seen: BaseException | None = error
-    while seen is not None and len(causes) < 8:
-        causes.append(seen)
-        seen = seen.__cause__ or seen.__context__
-    text = " ".join(str(c) for c in causes)
-    with contextlib.suppress(OSError):
-        status = os.statvfs(target.parent)
-        if status.f_bavail == 0:
-            text += " no space left"
-    full = any(isinstance(c, OSError) and c.errno in _FULL for c in causes) or any(
-        marker in text.lower() for marker in ("no space left", "quota exceeded", "unexpected pos")
-    )
-    if not full:
-        return None
-    first_line = (str(error).strip().splitlines() or [""])[0]
-    kept = (
-        f"the previous checkpoint at {os.fspath(target)!r} is intact"
-        if target.exists()
-        else f"nothing was written at {os.fspath(target)!r}"
-    )
-    return CheckpointError(
-        f"save: the disk holding {os.fspath(target.parent)!r} is full (or a quota or file-size "
-        f"limit was reached) while writing the checkpoint; {kept}, and this save's partial "
-        f"files were removed. Free some space (keep_last= prunes old checkpoints) and save "
-        f"again. ({type(error).__name__}: {first_line})"
-    )
+    return None
 
 
 def _kinds(found: Found) -> dict[str, Kind]:

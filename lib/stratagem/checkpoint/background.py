@@ -1,0 +1,181 @@
+"""Saves that write while training goes on: ``save(..., blocking=False)``.
+
+Before `save` returns, ``dcp.async_save`` has copied this rank's share of the
+state to CPU memory, so the loop may step (and change every tensor) at once.
+DCP's thread writes the files; a thread of ours then commits them exactly as
+a blocking save does (checksums, manifest, rename, pruning, on rank 0), so a
+checkpoint is visible only when complete, and one killed mid-write leaves the
+previous one loadable.
+
+Those threads' collectives run over a gloo group of their own, made once per
+world: on the training loop's group they would interleave with its
+all-reduces in an order that differs between ranks. One save is in flight at
+a time: the next save, and the world's teardown, wait for it first, and raise
+its error if it failed and nobody waited.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch.distributed as dist
+
+from stratagem import pending
+from stratagem.checkpoint import dcp_files, directory
+from stratagem.env import Context
+from stratagem.errors import CheckpointError, UsageError, describe
+from stratagem.validators import is_number
+
+__all__ = ["PendingSave", "settle", "start"]
+
+# Seconds a wait without a timeout of its own allows: as long as the collectives may take.
+DEFAULT_WAIT = 1800.0
+
+
+@attrs.define(eq=False)
+class PendingSave:
+    """A save writing in the background, as ``save(..., blocking=False)`` returns it.
+
+    ``wait()`` blocks until the checkpoint is committed at ``path`` (or raises
+    why it is not); ``done()`` tells without blocking. Every rank holds one.
+
+    Example:
+        >>> import torch, stratagem as sg, tempfile, os
+        >>> ctx = sg.single_device("cpu").setup(sg.Env())
+        >>> model = torch.nn.Linear(2, 1)
+        >>> before = model.weight.detach().clone()
+        >>> path = os.path.join(tempfile.mkdtemp(), "step_1")
+        >>> handle = sg.checkpoint.save(path, {"model": model}, ctx, blocking=False)
+        >>> _ = model.weight.detach().zero_()  # the save already holds its copy
+        >>> handle.wait()
+        >>> _ = sg.checkpoint.load(path, {"model": model}, ctx)
+        >>> torch.equal(model.weight, before)
+        True
+    """
+
+    path: Path
+    _finished: threading.Event = attrs.field(factory=threading.Event, repr=False)
+    _error: BaseException | None = attrs.field(default=None, repr=False)
+    _reported: bool = attrs.field(default=False, repr=False)
+
+    def done(self) -> bool:
+        """Whether the save has ended, committed or failed."""
+        return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the checkpoint is committed.
+
+        Args:
+            timeout: seconds to wait at most (default: 30 minutes, the
+                collectives' own bound).
+
+        Raises:
+            CheckpointError: the save failed (the previous checkpoint at
+                ``path`` is intact), or it did not end within ``timeout``.
+            UsageError: ``timeout`` is not a positive number.
+        """
+        if timeout is not None and not is_number(timeout, above=0):
+            raise UsageError(
+                f"PendingSave.wait: 'timeout' must be None or a positive number of seconds "
+                f"(got {describe(timeout)})."
+            )
+        if not self._finished.wait(DEFAULT_WAIT if timeout is None else timeout):
+            raise CheckpointError(
+                f"save: the background save to {str(self.path)!r} did not end within "
+                f"{DEFAULT_WAIT if timeout is None else timeout:g} s; a rank may have stopped "
+                "taking part (see the other ranks' errors)."
+            )
+        self._reported = True
+        if self._error is not None:
+            raise self._error
+
+    def _end(self, error: BaseException | None) -> None:
+        self._error = error
+        self._finished.set()
+
+
+_in_flight: list[PendingSave] = []
+_side_groups: dict[Any, Any] = {}  # the world's group -> the gloo group saves write over
+
+
+def settle() -> None:
+    """Wait for the save in flight; raise its error if nobody has seen it yet."""
+    while _in_flight:
+        save = _in_flight.pop(0)
+        if not save._reported:  # noqa: SLF001  # this module's own handle
+            save.wait()
+        else:
+            save._finished.wait(DEFAULT_WAIT)  # noqa: SLF001
+
+
+def _leave() -> None:
+    try:
+        settle()
+    finally:
+        _side_groups.clear()  # destroyed with the world's groups
+
+
+def _side_context(ctx: Context) -> Context:
+    if ctx.group is None or ctx.world_size == 1:
+        return attrs.evolve(ctx, group=None, arrivals=None)
+    side = _side_groups.get(ctx.group)
+    if side is None:
+        # Every rank saves at the same point of its program, so every rank makes it here.
+        side = dist.new_group(backend="gloo")
+        _side_groups[ctx.group] = side
+    return attrs.evolve(ctx, group=side, arrivals=None)
+
+
+def start(
+    files: dict[str, Any],
+    tmp: Path,
+    target: Path,
+    manifest: dict[str, Any],
+    ctx: Context,
+    *,
+    keep_last: int | None,
+    checksums: bool,
+) -> PendingSave:
+    """Stage ``files`` now and write, then commit, ``tmp`` as ``target`` in the background.
+
+    Raises:
+        CheckpointError: the state could not be staged (nothing is left behind).
+    """
+    from stratagem.checkpoint.saving import on_main  # saving imports this module
+
+    side = _side_context(ctx)
+    handle = PendingSave(target)
+    directory.stage_hook("staging")
+    try:
+        upload = dcp_files.write_async(tmp, files, side)
+    except BaseException:
+        if ctx.is_main:
+            directory.abandon(tmp, target)
+        raise
+
+    def finish() -> None:
+        error: BaseException | None = None
+        try:
+            try:
+                upload.result()
+            except (Exception, concurrent.futures.CancelledError) as caught:
+                raise dcp_files.failure_of(caught, tmp) from None
+            directory.stage_hook("written")
+            if checksums:
+                manifest["checksums"] = dcp_files.checksums(tmp, side)
+            on_main(side, lambda: directory.commit(tmp, target, manifest, keep_last))
+        except BaseException as caught:  # every failure reaches wait(), never the thread's end
+            if ctx.is_main:
+                directory.abandon(tmp, target)
+            error = directory.disk_full(caught, target) or caught
+        handle._end(error)  # noqa: SLF001
+
+    directory.stage_hook("writing")
+    threading.Thread(target=finish, name="stratagem-save", daemon=True).start()
+    _in_flight.append(handle)
+    pending.at_teardown(_leave)
+    return handle

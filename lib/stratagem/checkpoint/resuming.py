@@ -1,0 +1,92 @@
+"""``resume_or_start``: the one call a loop makes to survive restarts.
+
+A world that torchrun restarted (``--max-restarts``), a job that SLURM
+requeued, or a run started again by hand all begin the same way: find the
+newest complete checkpoint in the run's directory, load it, and go on from
+the step it recorded. The first run finds none and starts from ``state`` as
+it is. See docs/launching.md ("Restarts").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from stratagem.checkpoint.directory import latest
+from stratagem.checkpoint.entries import classify
+from stratagem.checkpoint.saving import on_main
+from stratagem.env import Context, check_context
+from stratagem.errors import UsageError, describe
+from stratagem.fields import StrategyLike
+
+__all__ = ["resume_or_start"]
+
+logger = logging.getLogger("stratagem.checkpoint")
+
+
+def resume_or_start(
+    directory: str | os.PathLike[str],
+    state: Mapping[str, Any],
+    strategy: StrategyLike,
+    ctx: Context,
+) -> dict[str, Any]:
+    """Load the newest complete checkpoint in ``directory`` into ``state``, if there is one.
+
+    Rank 0 looks for it (`stratagem.checkpoint.latest`: a save that was
+    interrupted is never chosen) and every rank loads the same one with
+    ``strategy.load``, so modules, optimizers, RNG states and `per_rank`
+    entries (a loader's position) are restored as a resumed run needs them.
+
+    Args:
+        directory: where the run saves its checkpoints, one subdirectory each
+            (``directory/step_100``, ...); it need not exist yet.
+        state: what the run saves, by name, as it passes it to ``save``.
+        strategy: the strategy whose ``load`` reads the checkpoint.
+        ctx: the joined world; every rank must call it.
+
+    Returns:
+        The plain values (and this rank's per-rank values) of the checkpoint
+        loaded; with none to load, those of ``state`` as given. Either way the
+        loop reads its position from the same keys (``values["step"]``).
+
+    Raises:
+        UsageError: an argument is malformed.
+        CheckpointError: the newest checkpoint does not match ``state`` or is
+            unreadable (it is not skipped: a damaged checkpoint is news).
+
+    Example:
+        >>> import tempfile, torch, stratagem as sg
+        >>> strategy = sg.single_device("cpu")
+        >>> ctx = strategy.setup(sg.Env())
+        >>> model = torch.nn.Linear(2, 1)
+        >>> run = tempfile.mkdtemp()
+        >>> sg.resume_or_start(run, {"model": model, "step": 0}, strategy, ctx)
+        {'step': 0}
+        >>> sg.checkpoint.save(f"{run}/step_5", {"model": model, "step": 5}, ctx)
+        >>> sg.resume_or_start(run, {"model": model, "step": 0}, strategy, ctx)
+        {'step': 5}
+    """
+    if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
+        raise UsageError(
+            f"resume_or_start: 'directory' must be a str or os.PathLike (got "
+            f"{describe(directory)})."
+        )
+    if not isinstance(strategy, StrategyLike):
+        raise UsageError(
+            f"resume_or_start: 'strategy' must be a Strategy (got {describe(strategy)}); the "
+            "arguments are (directory, state, strategy, ctx)."
+        )
+    check_context(ctx, "resume_or_start")
+    entries = classify(state, "resume_or_start")
+    found = on_main(ctx, lambda: latest(directory))
+    if found is None:
+        if ctx.is_main:
+            logger.info("resume_or_start: no checkpoint in %s; starting afresh", directory)
+        return {e.name: e.target for e in entries if e.kind in ("value", "per_rank_value")}
+    if ctx.is_main:
+        logger.info("resume_or_start: resuming from %s", found)
+    values: dict[str, Any] = strategy.load(Path(found), state, ctx)
+    return values
