@@ -114,6 +114,11 @@ def load(kit: Kit, **options: Any) -> object:
     return kit.strategy.load(kit.tmp / "ckpt", {"model": kit.model}, kit.ctx, **options)
 
 
+def _requested_without_context() -> object:
+    with sg.on_preemption() as preemption:
+        return preemption.requested(None)  # type: ignore[arg-type]
+
+
 def sharded(kit: Kit) -> sg.ShardedLoader:
     loader = sg.ddp(device="cpu").shard(DataLoader(TensorDataset(torch.arange(4))), kit.ctx)
     assert isinstance(loader, sg.ShardedLoader)
@@ -488,6 +493,27 @@ ROWS: list[Row] = [
         ("exists and is not a stratagem checkpoint", "save elsewhere")),
     Row("save", "verify=1", lambda k: save(k, verify=1), U,
         ("save: 'verify' must be True or False", "got 1, an int")),
+    Row("save", "blocking='no'", lambda k: save(k, blocking="no"), U,
+        ("save: 'blocking' must be True or False", "got 'no', a str")),
+    Row("resume_or_start", "directory=None",
+        lambda k: sg.resume_or_start(None, {}, k.strategy, k.ctx), U,
+        ("resume_or_start: 'directory' must be a str or os.PathLike", "got None")),
+    Row("resume_or_start", "arguments in the wrong order",
+        lambda k: sg.resume_or_start(k.tmp, {}, k.ctx, k.strategy), U,
+        ("resume_or_start: 'strategy' must be a Strategy", "(directory, state, strategy, ctx)")),
+    Row("resume_or_start", "state a list",
+        lambda k: sg.resume_or_start(k.tmp, [k.model], k.strategy, k.ctx), U,
+        ("resume_or_start: 'state' must be a mapping",)),
+    Row("on_preemption", "signals a str", lambda k: sg.on_preemption("SIGTERM").__enter__(), U,
+        ("on_preemption: 'signals' must be a non-empty sequence", "('SIGTERM', 'SIGUSR1')")),
+    Row("on_preemption", "an unknown signal",
+        lambda k: sg.on_preemption(["SIGTREM"]).__enter__(), U,
+        ("'SIGTREM' in 'signals' is not a signal of this system",)),
+    Row("on_preemption", "SIGKILL", lambda k: sg.on_preemption([9]).__enter__(), U,
+        ("SIGKILL cannot be caught",)),
+    Row("on_preemption", "requested() without a context",
+        lambda k: _requested_without_context(), U,
+        ("Preemption.requested: 'ctx' must be the Context",)),
     Row("per_rank", "a per-rank value that is not plain",
         lambda k: k.strategy.save(k.tmp / "c", {"fn": sg.per_rank(fn)}, k.ctx), U,
         ("rank 0's value 'fn' cannot be stored as a plain value",)),
@@ -621,6 +647,7 @@ ERRORS_AND_TYPES = {
     "DeviceSpec",
     "EnvError",
     "LaunchError",
+    "Preempted",
     "RankError",
     "ReduceOp",
     "StratagemError",

@@ -16,6 +16,7 @@ import typing as _typing
 if _typing.TYPE_CHECKING:
     from stratagem.checkpoint.entries import per_rank as per_rank
     from stratagem.checkpoint.entries import unwrap as unwrap
+    from stratagem.checkpoint.resuming import resume_or_start as resume_or_start
     from stratagem.combinators.accumulation import accumulate as accumulate
     from stratagem.combinators.checked import checked as checked
     from stratagem.combinators.checkpointing import (
@@ -47,6 +48,8 @@ if _typing.TYPE_CHECKING:
     from stratagem.launching import Spawn as Spawn
     from stratagem.launching import launch as launch
     from stratagem.launching import spawned as spawned
+    from stratagem.preemption import Preempted as Preempted
+    from stratagem.preemption import on_preemption as on_preemption
     from stratagem.replicas import broadcast_optimizer_state as broadcast_optimizer_state
     from stratagem.script import joined as joined
     from stratagem.sharding import ShardedLoader as ShardedLoader
@@ -78,6 +81,7 @@ _WHERE: dict[str, str] = {
     "CheckpointError": "stratagem.errors",
     "unwrap": "stratagem.checkpoint.entries",
     "per_rank": "stratagem.checkpoint.entries",
+    "resume_or_start": "stratagem.checkpoint.resuming",
     "CollectiveMismatchError": "stratagem.errors",
     "CombinatorError": "stratagem.errors",
     "JsonLinesSink": "stratagem.combinators.tracing",
@@ -111,6 +115,8 @@ _WHERE: dict[str, str] = {
     "allreduce_grads": "stratagem.strategies.allreduce",
     "allreduce_grads_spawn": "stratagem.strategies.allreduce",
     "broadcast_optimizer_state": "stratagem.replicas",
+    "Preempted": "stratagem.preemption",
+    "on_preemption": "stratagem.preemption",
     "ddp": "stratagem.strategies.ddp",
     "ddp_spawn": "stratagem.strategies.ddp",
     "dp": "stratagem.strategies.dp",
@@ -138,6 +144,7 @@ __all__ = [
     "JsonLinesSink",
     "LaunchError",
     "ListSink",
+    "Preempted",
     "RankError",
     "ReduceOp",
     "ShardSampler",
@@ -169,7 +176,9 @@ __all__ = [
     "joined",
     "launch",
     "move_to_device",
+    "on_preemption",
     "per_rank",
+    "resume_or_start",
     "single_device",
     "spawned",
     "tensor_parallel",
