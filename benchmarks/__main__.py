@@ -10,6 +10,7 @@ from pathlib import Path
 
 from benchmarks import (
     allreduce_step,
+    async_save,
     checked_cost,
     checkpoint_checksums,
     compiled_step,
@@ -20,6 +21,7 @@ from benchmarks import (
     mesh_step,
     overhead_vs_params,
     report,
+    restart_time,
     single_step,
     world_examples,
 )
@@ -38,6 +40,8 @@ BENCHMARKS: dict[str, Callable[[bool], report.Result]] = {
         compiled_step,
         launch_startup,
         checkpoint_checksums,
+        async_save,
+        restart_time,
         mesh_step,
     )
 }
