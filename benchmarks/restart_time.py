@@ -43,7 +43,7 @@ def once(root: Path) -> tuple[float, float]:
     run, out = root / uuid.uuid4().hex[:8], root / f"{uuid.uuid4().hex[:8]}.pt"
     lib = str(Path(__file__).resolve().parent.parent / "lib")
     env = {**os.environ, "PYTHONPATH": lib, "OMP_NUM_THREADS": "1"}
-    subprocess.run(
+    done = subprocess.run(
         [
             sys.executable,
             "-m",
@@ -63,10 +63,13 @@ def once(root: Path) -> tuple[float, float]:
             "--die-at=10",
         ],
         env=env,
-        check=True,
-        capture_output=True,
+        text=True,
         timeout=600,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
+    if done.returncode != 0:
+        raise RuntimeError(f"torchrun failed ({done.returncode}):\n{done.stdout[-3000:]}")
     killed = float((run / "killed_at").read_text())
     result = torch.load(out, weights_only=True)
     assert result["resumed_from"] == 8, result["resumed_from"]

@@ -113,3 +113,14 @@ def test_a_rank_killed_during_a_background_save_resumes_from_the_save_before(tmp
     assert result["resumed_from"] == 8  # the save at 12 was in flight: never committed
     for key, value in expected.items():
         assert torch.equal(result["parameters"][key], value), key
+
+
+def test_a_run_saved_by_two_ranks_resumes_on_one(tmp_path):
+    """``--nnodes MIN:MAX`` may restart a smaller world: the position is global, so it resumes."""
+    run, out = str(tmp_path / "run"), str(tmp_path / "out.pt")
+    sg.launch(resumable.train, sg.ddp_spawn(device="cpu"), devices=2, args=(run, out, 8, 4))
+    resumed = sg.launch(
+        resumable.train, sg.ddp_spawn(device="cpu"), devices=1, args=(run, out, 12, 4)
+    )
+    assert resumed == [8]
+    assert sg.checkpoint.latest(tmp_path / "run" / "checkpoints").name == "step_0012"

@@ -168,8 +168,14 @@ class JoinProcessGroup:
                 raise LaunchError(_store_failure(env, hosting, error)) from error
             _await_every_rank(PrefixStore(f"attempt_{attempt}", store), env, joining)
         try:
+            # Under its own prefix too: the keys of the last attempt's group are still in the
+            # agent's store, and a rank reading one would dial a process that has died.
             dist.init_process_group(
-                backend, store=store, rank=env.rank, world_size=env.world_size, timeout=self.timeout
+                backend,
+                store=PrefixStore(f"attempt_{attempt}/group", store),
+                rank=env.rank,
+                world_size=env.world_size,
+                timeout=self.timeout,
             )
         finally:
             if env.world_size > 1:
