@@ -29,7 +29,8 @@ def install(session: nox.Session, *extra: str) -> None:
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    install(session, "testing", "demo")  # demo: the CLI tests train on scikit-learn's digits
+    # demo: the CLI tests train on scikit-learn's digits; ray: the Ray launch field's tests
+    install(session, "testing", "demo", "ray")
     session.run("pytest", *session.posargs)
 
 

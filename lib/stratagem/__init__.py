@@ -50,6 +50,8 @@ if _typing.TYPE_CHECKING:
     from stratagem.launching import spawned as spawned
     from stratagem.preemption import Preempted as Preempted
     from stratagem.preemption import on_preemption as on_preemption
+    from stratagem.ray_launching import RayLaunch as RayLaunch
+    from stratagem.ray_launching import ray_launcher as ray_launcher
     from stratagem.replicas import broadcast_optimizer_state as broadcast_optimizer_state
     from stratagem.script import joined as joined
     from stratagem.sharding import ShardedLoader as ShardedLoader
@@ -117,6 +119,8 @@ _WHERE: dict[str, str] = {
     "broadcast_optimizer_state": "stratagem.replicas",
     "Preempted": "stratagem.preemption",
     "on_preemption": "stratagem.preemption",
+    "RayLaunch": "stratagem.ray_launching",
+    "ray_launcher": "stratagem.ray_launching",
     "ddp": "stratagem.strategies.ddp",
     "ddp_spawn": "stratagem.strategies.ddp",
     "dp": "stratagem.strategies.dp",
@@ -146,6 +150,7 @@ __all__ = [
     "ListSink",
     "Preempted",
     "RankError",
+    "RayLaunch",
     "ReduceOp",
     "ShardSampler",
     "ShardedLoader",
@@ -178,6 +183,7 @@ __all__ = [
     "move_to_device",
     "on_preemption",
     "per_rank",
+    "ray_launcher",
     "resume_or_start",
     "single_device",
     "spawned",
