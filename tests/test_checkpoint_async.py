@@ -221,3 +221,16 @@ def test_a_rank_killed_during_a_background_save_leaves_the_previous_one_to_resum
     expected, got = final(tmp_path / "whole.pt"), final(tmp_path / "killed.pt")
     for key in expected:
         assert torch.equal(expected[key], got[key]), key
+
+
+def test_a_background_save_records_checksums_that_load_checks(tmp_path, ctx):
+    model, _ = trained()
+    path = tmp_path / "c"
+    sg.checkpoint.save(path, {"model": model}, ctx, blocking=False, checksums=True).wait(30)
+    assert sg.checkpoint.load(path, {"model": model}, ctx) == {}
+    data = next(path.glob("__0_*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    data.write_bytes(bytes(raw))
+    with pytest.raises(sg.CheckpointError, match="checksum"):
+        sg.checkpoint.load(path, {"model": model}, ctx)
