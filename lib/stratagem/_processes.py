@@ -48,7 +48,9 @@ __all__ = [
     "death_error",
     "die_with_parent",
     "error_message",
+    "error_report",
     "forwarding_signals",
+    "in_collective",
     "local_env",
     "pack",
     "prepare_rank",
@@ -56,6 +58,7 @@ __all__ = [
     "receive",
     "remote_error",
     "rendezvous",
+    "returned_early",
     "send",
     "send_error",
     "stop",
@@ -269,7 +272,8 @@ def _safe_str(error: BaseException) -> str:
         return "?"
 
 
-def send_error(pipe: Connection, error: BaseException) -> None:
+def error_report(error: BaseException) -> tuple[str, str, str, str]:
+    """Return ``("error", type name, message, traceback)``: what a rank reports of ``error``."""
     kind = type(error)
     name = (
         kind.__qualname__
@@ -281,8 +285,12 @@ def send_error(pipe: Connection, error: BaseException) -> None:
         remote = traceback.format_exc()
     except Exception:
         remote = ""
+    return ("error", name, message, remote)
+
+
+def send_error(pipe: Connection, error: BaseException) -> None:
     with contextlib.suppress(Exception):  # a broken pipe: the parent is gone, nobody to tell
-        send(pipe, ("error", name, message, remote))
+        send(pipe, error_report(error))
 
 
 def death_error(rank: int, process: BaseProcess, grace: float) -> RankError:
@@ -408,7 +416,7 @@ class SpawnedWorld:
         the broken connection it causes.
         """
         error = remote_error(rank, body)
-        if not _in_collective(error.remote_traceback):
+        if not in_collective(error.remote_traceback):
             return error
         others = {other: pipe for other, pipe in watching.items() if other != rank}
         ready = wait(list(others.values()), _CAUSE_GRACE) if others else []
@@ -423,20 +431,7 @@ class SpawnedWorld:
                 continue
             if kind == "ok":
                 results[other], done_at[other] = rest[0], time.monotonic()
-        finished = sorted(r for r in results if r != rank)
-        if not finished:
-            return error
-        return RankError(
-            rank,
-            exc_type=error.exc_type,
-            message=LEFT_DURING_COLLECTIVE.format(
-                finished=", ".join(map(str, finished)),
-                rank=rank,
-                exc_type=error.exc_type,
-                message=error.message,
-            ),
-            remote_traceback=error.remote_traceback,
-        )
+        return returned_early(error, sorted(r for r in results if r != rank))
 
 
 # Seconds the parent waits, after a rank's collective failed, for what the others sent before.
@@ -444,7 +439,27 @@ _CAUSE_GRACE = 0.5
 _FRAME = re.compile(r'^\s*File "([^"]*)"', re.MULTILINE)
 
 
-def _in_collective(remote_traceback: str) -> bool:
+def returned_early(error: RankError, finished: list[int]) -> RankError:
+    """Blame the ranks in ``finished``, which returned while ``error``'s rank was in a collective.
+
+    With none finished, ``error`` itself is the cause.
+    """
+    if not finished:
+        return error
+    return RankError(
+        error.rank,
+        exc_type=error.exc_type,
+        message=LEFT_DURING_COLLECTIVE.format(
+            finished=", ".join(map(str, finished)),
+            rank=error.rank,
+            exc_type=error.exc_type,
+            message=error.message,
+        ),
+        remote_traceback=error.remote_traceback,
+    )
+
+
+def in_collective(remote_traceback: str) -> bool:
     """Whether a traceback ends inside torch.distributed (a collective or the store failed)."""
     frames = _FRAME.findall(remote_traceback)
     return bool(frames) and re.search(r"torch[/\\]distributed[/\\]", frames[-1]) is not None

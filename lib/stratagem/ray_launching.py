@@ -42,19 +42,19 @@ import os
 import pickle
 import sys
 import time
-import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
 
 from stratagem._processes import (
-    LEFT_DURING_COLLECTIVE,
-    _in_collective,
     error_message,
+    error_report,
+    in_collective,
     prepare_rank,
     remote_error,
     rendezvous,
+    returned_early,
 )
 from stratagem.env import detect_env
 from stratagem.errors import LaunchError, RankError, describe
@@ -226,21 +226,6 @@ def _local_ray(ray: Any, cpus: int) -> Iterator[None]:
         ray.shutdown()
 
 
-def _error_report(error: BaseException) -> tuple[str, str, str, str]:
-    """Return ``("error", type name, message, traceback)``, as a spawned rank sends it."""
-    kind = type(error)
-    name = (
-        kind.__qualname__
-        if kind.__module__ == "builtins"
-        else f"{kind.__module__}.{kind.__qualname__}"
-    )
-    try:
-        remote = traceback.format_exc()
-    except Exception:
-        remote = ""
-    return ("error", name, error_message(error), remote)
-
-
 class _RankActor:
     """One rank in a Ray actor: ``start``, ``run`` (setup and ``fn``), ``leave`` (teardown)."""
 
@@ -266,7 +251,7 @@ class _RankActor:
             # Pickled here, so that a result that cannot travel is this rank's error.
             return ("ok", importlib.import_module("ray").cloudpickle.dumps(result))
         except BaseException as error:  # report everything, KeyboardInterrupt included
-            report = _error_report(error)
+            report = error_report(error)
             with contextlib.suppress(BaseException):  # the first error is the one to report
                 self.leave()
             return report
@@ -281,7 +266,7 @@ class _RankActor:
             gc.collect()
             self._strategy.teardown(ctx)
         except BaseException as error:
-            return _error_report(error)
+            return error_report(error)
         return ("ok",)
 
 
@@ -446,7 +431,7 @@ class _RayWorld:
         it, by dying (its death is the error) or by returning early (the message
         says so instead of blaming the rank that waited).
         """
-        if not _in_collective(error.remote_traceback):
+        if not in_collective(error.remote_traceback):
             return error
         others = {ref: r for ref, r in runs.items() if r != rank and r not in results}
         ready = []
@@ -459,17 +444,4 @@ class _RayWorld:
                 return outcome  # that rank died: the cause
             if not isinstance(outcome, RankError):
                 results[other] = None  # it returned; only the fact matters now
-        finished = sorted(r for r in results if r != rank)
-        if not finished:
-            return error
-        return RankError(
-            rank,
-            exc_type=error.exc_type,
-            message=LEFT_DURING_COLLECTIVE.format(
-                finished=", ".join(map(str, finished)),
-                rank=rank,
-                exc_type=error.exc_type,
-                message=error.message,
-            ),
-            remote_traceback=error.remote_traceback,
-        )
+        return returned_early(error, sorted(r for r in results if r != rank))
