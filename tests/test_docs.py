@@ -21,8 +21,8 @@ def python_blocks(path: Path) -> list[str]:
     return re.findall(r"^```python\n(.*?)^```", path.read_text(), flags=re.S | re.M)
 
 
-# Pages whose examples launch 4-rank worlds, or start Ray, belong to the full run only.
-SLOW_PAGES = {"parallelism.md", "ray-workers.md"}
+# Pages whose examples launch 4-rank or several worlds, or start Ray, belong to the full run only.
+SLOW_PAGES = {"parallelism.md", "pipeline.md", "ray-workers.md"}
 
 
 @pytest.mark.parametrize(

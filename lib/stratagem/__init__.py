@@ -67,6 +67,7 @@ if _typing.TYPE_CHECKING:
     from stratagem.strategies.fsdp import hsdp as hsdp
     from stratagem.strategies.fsdp_units import above_parameters as above_parameters
     from stratagem.strategies.fsdp_units import every_module_of as every_module_of
+    from stratagem.strategies.pipeline import pipeline as pipeline
     from stratagem.strategies.single import single_device as single_device
     from stratagem.strategy import Strategy as Strategy
     from stratagem.strategy import StrategyLike as StrategyLike
@@ -130,6 +131,7 @@ _WHERE: dict[str, str] = {
     "fsdp": "stratagem.strategies.fsdp",
     "fsdp_spawn": "stratagem.strategies.fsdp",
     "hsdp": "stratagem.strategies.fsdp",
+    "pipeline": "stratagem.strategies.pipeline",
     "single_device": "stratagem.strategies.single",
     "Strategy": "stratagem.strategy",
     "StrategyLike": "stratagem.strategy",
@@ -183,6 +185,7 @@ __all__ = [
     "move_to_device",
     "on_preemption",
     "per_rank",
+    "pipeline",
     "ray_launcher",
     "resume_or_start",
     "single_device",

@@ -23,6 +23,10 @@ Who owns each entry, and so which rank writes it:
   own shard (a shard replicated over a mesh dimension, by the lowest such rank).
 - **per rank** (entries marked with `per_rank`): each rank writes its own, and
   on load each rank gets back its own: data positions, an already-fetched batch.
+
+A module that ``pipeline()``'s wrap returned on a pipeline of several ranks is
+refused (`PIPELINE_NOT_SAVED`): its stages live on different ranks, which none
+of the three kinds describes yet.
 """
 
 from __future__ import annotations
@@ -193,6 +197,28 @@ def settle(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+PIPELINE_NOT_SAVED = (
+    "{function}: {name!r} is one rank's stages of a pipeline of {ranks} ranks; its other "
+    "stages live on other ranks, and a checkpoint written from rank 0 alone would silently "
+    "lack them. Checkpoints of a pipeline split over ranks are not supported yet: save each "
+    "rank's module.state_dict() (keys are the unsplit module's) with per_rank(...)."
+)
+
+
+def _refuse_split_pipeline(name: str, module: torch.nn.Module, function: str) -> None:
+    # A pipeline's modules mean its module is imported; otherwise there are none.
+    stages = sys.modules.get("stratagem.strategies.pipeline_stages")
+    run = None if stages is None else stages.pipeline_run(module)
+    if run is not None:
+        import torch.distributed as dist
+
+        ranks = dist.get_world_size(run.pp_group)
+        if ranks > 1:
+            raise CheckpointError(
+                PIPELINE_NOT_SAVED.format(function=function, name=name, ranks=ranks)
+            )
+
+
 def classify(state: object, function: str) -> list[Entry]:
     """Return the entries of ``state``, each with its kind.
 
@@ -218,6 +244,8 @@ def classify(state: object, function: str) -> list[Entry]:
             f"under '<name>.<rank>' ({per_rank}); rename them, e.g. with '_' for '.'."
         )
     modules = {k: settle(unwrap(v)) for k, v in state.items() if isinstance(v, torch.nn.Module)}
+    for name, module in modules.items():
+        _refuse_split_pipeline(name, module, function)
     entries = []
     for name, value in state.items():
         kind = _kind(value)
