@@ -18,8 +18,10 @@ from benchmarks import (
     fsdp_step,
     import_time,
     launch_startup,
+    memory,
     mesh_step,
     overhead_vs_params,
+    pipeline_step,
     report,
     restart_time,
     single_step,
@@ -37,12 +39,14 @@ BENCHMARKS: dict[str, Callable[[bool], report.Result]] = {
         checked_cost,
         world_examples,
         allreduce_step,
+        memory,
         compiled_step,
         launch_startup,
         checkpoint_checksums,
         async_save,
         restart_time,
         mesh_step,
+        pipeline_step,
     )
 }
 RESULTS = Path(__file__).resolve().parent / "results"

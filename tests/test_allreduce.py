@@ -17,8 +17,17 @@ import torch
 import stratagem as sg
 from helpers import local_ctx, make_batches, make_model
 from stratagem import training
+from stratagem.combinators.accumulation import AccumulationState
 from stratagem.replicas import buckets as _buckets
-from stratagem.strategies.allreduce import AllreduceThenStep, average_gradients, broadcast_module
+from stratagem.strategies.allreduce import (
+    FIRST_BUCKET_MB,
+    AllreduceThenStep,
+    average_gradients,
+    backward_buckets,
+    broadcast_module,
+    pause_hooks,
+)
+from stratagem.strategies.allreduce_hooks import _HOOKS
 
 STEPS = 5
 BATCH = 8
@@ -179,6 +188,109 @@ def errors(strategy, ctx):
     return out
 
 
+# --------------------------------------------------- overlap: the hooks against the old path
+
+
+def by_hand(ctx, *, compression=None, bucket_mb=25.0, scale=None, micro=1, lopsided=False):
+    """The update before overlap: backward(s), then `average_gradients` after backward, step.
+
+    ``scale`` multiplies the gradients in place between backward and update;
+    ``micro`` backward passes per step accumulate without any no_sync; with
+    ``lopsided``, rank 0 takes its half in two backward passes, rank 1 in one.
+    """
+    model = broadcast_module(make_model(), ctx)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9, weight_decay=0.01)
+    for batch in batches():
+        backward_passes(model, half(batch, ctx), ctx, micro=micro, lopsided=lopsided)
+        if scale is not None:
+            for p in model.parameters():
+                p.grad.mul_(scale)
+        average_gradients(model, ctx, bucket_mb=bucket_mb, compression=compression)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def backward_passes(model, mine, ctx, *, micro, lopsided):
+    count = 2 if lopsided and ctx.rank == 0 else micro
+    for piece in split(mine, [len(mine[0]) // count] * count):
+        (mean_loss(model, piece) / count).backward()
+
+
+def through_strategy(strategy, ctx, *, scale=None, micro=1, lopsided=False):
+    """The same loop through the strategy's fields, without no_sync."""
+    model = strategy.wrap(make_model(), ctx)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9, weight_decay=0.01)
+    for batch in batches():
+        backward_passes(model, half(batch, ctx), ctx, micro=micro, lopsided=lopsided)
+        if scale is not None:
+            for p in model.parameters():
+                p.grad.mul_(scale)
+        strategy.update(optimizer, model, ctx)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def overlap_probe(strategy, ctx):
+    """How many buckets the hooks have sent after each backward, paused and not."""
+    strategy = with_update(strategy, bucket_mb=1e-6)  # one bucket per parameter
+    model = strategy.wrap(make_model(), ctx)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = {"paused": [], "last": [], "after-update": []}
+    for step, batch in enumerate(batches()):
+        first, second = split(half(batch, ctx), [2, 2])
+        with strategy.no_sync(model, ctx):
+            strategy.backward(mean_loss(model, first), model, ctx)
+        if step == 0:
+            out["hooked-before-first-update"] = model in _HOOKS
+        else:
+            out["paused"].append(len(_HOOKS[model].sent))
+        strategy.backward(mean_loss(model, second), model, ctx)
+        if step:
+            out["last"].append(len(_HOOKS[model].sent))
+        strategy.update(optimizer, model, ctx)
+        out["after-update"].append(len(_HOOKS[model].sent))
+    out["plan"] = _HOOKS[model].plan
+    return out
+
+
+def accumulate_probe(strategy, ctx):
+    """sg.accumulate over allreduce_grads(): its no_sync holds the hooks back on all but the last."""
+    strategy = sg.accumulate(strategy, MICRO)
+    ctx = ctx.with_extras(accumulation=AccumulationState(MICRO))  # what its setup adds
+    model = strategy.wrap(make_model(), ctx)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9, weight_decay=0.01)
+    sent = []
+    for batch in batches():
+        for piece in split(half(batch, ctx), [BATCH // 2 // MICRO] * MICRO):
+            loss = strategy.step(model, piece, ctx, forward=mean_loss)
+            strategy.backward(loss, model, ctx)
+            hooks = _HOOKS.get(model)
+            sent.append(None if hooks is None else len(hooks.sent))
+            strategy.update(optimizer, model, ctx)
+    return {"params": [p.detach().clone() for p in model.parameters()], "sent": sent}
+
+
+def overlap_runs(strategy, ctx):
+    runs = {}
+    for name, options in {
+        "plain": {},
+        "bf16": {"compression": "bf16"},
+        "fp16": {"compression": "fp16"},
+        "tiny": {"bucket_mb": 1e-6},
+    }.items():
+        runs[name] = (
+            through_strategy(with_update(strategy, **options), ctx),
+            by_hand(ctx, **options),
+        )
+    for name, options in {
+        "scaled-in-place": {"scale": 0.5},
+        "two-backwards": {"micro": 2},
+        "lopsided": {"lopsided": True},
+    }.items():
+        runs[name] = (through_strategy(strategy, ctx, **options), by_hand(ctx, **options))
+    return runs
+
+
 def on_ranks(strategy, ctx):
     ddp = sg.ddp(device="cpu")
     global_mean = global_mean_loss(BATCH, ctx.world_size)
@@ -197,6 +309,9 @@ def on_ranks(strategy, ctx):
         "compression-grads": compression_grads(ctx),
         "optimizer-states": optimizer_states(strategy, ctx),
         "errors": errors(strategy, ctx),
+        "overlap-probe": overlap_probe(strategy, ctx),
+        "accumulate-probe": accumulate_probe(strategy, ctx),
+        "overlap-runs": overlap_runs(strategy, ctx),
     }
 
 
@@ -233,7 +348,7 @@ def test_substituted_fields_relative_to_ddp_are_wrap_step_no_sync_update():
         name="allreduce_grads",
         wrap=broadcast_module,
         step=training.step,
-        no_sync=training.no_sync,
+        no_sync=pause_hooks,
         update=update,
     )
     differing = [
@@ -244,7 +359,7 @@ def test_substituted_fields_relative_to_ddp_are_wrap_step_no_sync_update():
     # `step` is substituted by the same plain function DDP already uses: neither has its own.
     assert differing == ["name", "wrap", "update", "no_sync"]
     assert ours.step is theirs.step is training.step
-    assert ours.no_sync is sg.single_device("cpu").no_sync  # nothing to suspend, as on one device
+    assert ours.no_sync is pause_hooks  # holds back the gradient hooks that update attaches
 
 
 def test_spawn_variant_differs_only_in_launch():
@@ -435,3 +550,75 @@ def test_mismatched_modules_and_sparse_gradients_fail_on_every_rank(ranks):
         assert f"first difference on rank {rank}:" in layout
         assert "build the same model on every rank" in layout
         assert "has a sparse gradient" in result["errors"]["sparse"]
+
+
+# ------------------------------------------------------------- overlap with backward (hooks)
+
+
+def test_backward_buckets_run_last_parameter_first_with_a_small_first_bucket():
+    mib = 2**20
+    # Sizes of an MLP's parameters in module order: weight 1, bias 1, weight 2, bias 2.
+    params = [torch.zeros(mib), torch.zeros(512), torch.zeros(mib), torch.zeros(128)]
+    # The first bucket closes once it holds FIRST_BUCKET_MB (bias 2 + weight 2: 4 MiB + 512 B).
+    assert FIRST_BUCKET_MB == 1.0
+    assert backward_buckets(params, 25.0) == [[3, 2], [1, 0]]
+    assert backward_buckets(params, 1e-6) == [[3], [2], [1], [0]]
+    assert backward_buckets(params, math.inf) == [[3, 2], [1, 0]]
+    # Never over the cap: in 3 MiB buckets, each 4 MiB weight travels alone.
+    assert backward_buckets(params, 3.0) == [[3], [2], [1], [0]]
+    small = [torch.zeros(4), torch.zeros(4, dtype=torch.float64), torch.zeros(4)]
+    assert backward_buckets(small, 25.0) == [[2, 0], [1]]  # per dtype, by first member
+
+
+@pytest.mark.slow
+def test_hooks_send_every_bucket_during_the_last_backward_and_none_under_no_sync(ranks):
+    for result in ranks:
+        probe = result["overlap-probe"]
+        assert probe["plan"] == [[3], [2], [1], [0]]  # one bucket per parameter, last first
+        assert probe["hooked-before-first-update"] is False  # the first update attaches them
+        assert probe["paused"] == [0] * (STEPS - 1)  # no_sync: nothing sent
+        assert probe["last"] == [4] * (STEPS - 1)  # all four sent before update ran
+        assert probe["after-update"] == [0] * STEPS
+
+
+@pytest.mark.slow
+def test_accumulate_combinator_sends_only_after_the_last_micro_batch(ranks):
+    for rank, result in enumerate(ranks):
+        probe = result["accumulate-probe"]
+        # The first window runs before the hooks exist; after it, MICRO - 1 paused backwards
+        # send nothing and the last one sends the one bucket of this small model.
+        assert probe["sent"][:MICRO] == [None] * MICRO
+        assert probe["sent"][MICRO:] == [0, 1] * (STEPS - 1)
+        assert_params_close(
+            probe["params"], result["accumulated"], f"accumulate, rank {rank}", rtol=0, atol=0
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case",
+    ["plain", "bf16", "fp16", "tiny", "scaled-in-place", "two-backwards", "lopsided"],
+)
+def test_overlap_is_bitwise_the_update_after_backward(ranks, case):
+    """The hooks' result equals average_gradients after backward, bit for bit, in every case:
+    16-bit wires, a bucket per parameter, gradients changed in place after backward, two
+    backward passes without no_sync, and ranks that ran different numbers of them."""
+    for rank, result in enumerate(ranks):
+        ours, theirs = result["overlap-runs"][case]
+        assert_params_close(ours, theirs, f"{case}, rank {rank}", rtol=0, atol=0)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            ranks[0]["overlap-runs"][case][0], ranks[1]["overlap-runs"][case][0], strict=True
+        )
+    )
+
+
+def test_no_sync_is_a_checked_context_that_holds_nothing_back_before_the_first_update():
+    ctx = local_ctx()
+    model = make_model()
+    with pause_hooks(model, ctx):
+        pass
+    assert model not in _HOOKS
+    with pytest.raises(sg.UsageError):
+        pause_hooks("model", ctx)  # type: ignore[arg-type]

@@ -26,9 +26,11 @@ if _typing.TYPE_CHECKING:
     from stratagem.combinators.compiled import compiled as compiled
     from stratagem.combinators.precision import with_precision as with_precision
     from stratagem.combinators.tensor_parallel import tensor_parallel as tensor_parallel
+    from stratagem.combinators.tracing import ChromeTraceSink as ChromeTraceSink
     from stratagem.combinators.tracing import JsonLinesSink as JsonLinesSink
     from stratagem.combinators.tracing import ListSink as ListSink
     from stratagem.combinators.tracing import TraceEvent as TraceEvent
+    from stratagem.combinators.tracing import chrome_trace as chrome_trace
     from stratagem.combinators.tracing import traced as traced
     from stratagem.devices import DeviceSpec as DeviceSpec
     from stratagem.env import Context as Context
@@ -87,7 +89,9 @@ _WHERE: dict[str, str] = {
     "resume_or_start": "stratagem.checkpoint.resuming",
     "CollectiveMismatchError": "stratagem.errors",
     "CombinatorError": "stratagem.errors",
+    "ChromeTraceSink": "stratagem.combinators.tracing",
     "JsonLinesSink": "stratagem.combinators.tracing",
+    "chrome_trace": "stratagem.combinators.tracing",
     "ListSink": "stratagem.combinators.tracing",
     "TraceEvent": "stratagem.combinators.tracing",
     "accumulate": "stratagem.combinators.accumulation",
@@ -140,6 +144,7 @@ _WHERE: dict[str, str] = {
 
 __all__ = [
     "CheckpointError",
+    "ChromeTraceSink",
     "CollectiveCallError",
     "CollectiveMismatchError",
     "CombinatorError",
@@ -170,6 +175,7 @@ __all__ = [
     "allreduce_grads_spawn",
     "broadcast_optimizer_state",
     "checked",
+    "chrome_trace",
     "clip_grad_norm",
     "compiled",
     "ddp",

@@ -1,12 +1,18 @@
 """``allreduce_grads()``: the Horovod way of training, as ``ddp()`` with four fields substituted.
 
 No wrapper around the model. ``wrap`` moves it to the device and gives every
-rank rank 0's parameters and buffers; ``backward`` only accumulates local
-gradients; ``update`` all-reduces them in fused buckets (optionally cast to
-16 bits for the wire), averages, and steps the optimizer. ``no_sync`` is
-``training.no_sync``, the empty context of a single device: backward never
-communicates here, so several backward passes before one ``update`` already
-accumulate locally, and the one all-reduce in ``update`` covers them all.
+rank rank 0's parameters and buffers; ``update`` averages the gradients over
+ranks in fused buckets (optionally cast to 16 bits for the wire) and steps
+the optimizer. From the second ``update`` on, the buckets are sent *during*
+backward, as Horovod does: the first ``update`` puts a post-accumulate-grad
+hook on every parameter (`GradientHooks`), a bucket is all-reduced
+asynchronously as soon as backward has produced all of its gradients, and
+``update`` waits for them before the step. ``no_sync`` (`pause_hooks`)
+holds the hooks back, so that accumulation sends once, after the last
+micro-batch. Whatever the hooks sent, ``update`` checks that every gradient
+is still the one that was sent; if not (a second backward without
+``no_sync``, a gradient changed in place), it sends them again after backward,
+so the result is always that of averaging the gradients ``update`` finds.
 Setup, collectives, sharding, checkpoints and teardown are ``ddp()``'s own
 functions.
 
@@ -16,48 +22,53 @@ functions.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 import torch
-import torch.distributed as dist
 
 from stratagem import checkpoint, collectives, training
 from stratagem.arrivals import DEFAULT_TIMEOUT
 from stratagem.collectives import is_distributed
 from stratagem.devices import DeviceSpec, check_device_spec
-from stratagem.env import Context, check_context
-from stratagem.errors import UsageError
+from stratagem.env import Context
 from stratagem.launching import Spawn, in_place, spawned
 from stratagem.process_group import DEFAULT_JOIN_TIMEOUT, JoinProcessGroup, leave_process_group
 from stratagem.replicas import (
-    MB,
     broadcast_optimizer_state,
     broadcast_tensors,
-    buckets,
     check_same_layout,
-    flatten,
-    unflatten,
 )
 from stratagem.sharding import shard_loader
+from stratagem.strategies.allreduce_hooks import (
+    COMPRESSIONS,
+    FIRST_BUCKET_MB,
+    Compression,
+    GradientHooks,
+    average_gradients,
+    average_gradients_overlapped,
+    backward_buckets,
+    pause_hooks,
+)
 from stratagem.strategy import Strategy
 from stratagem.validators import choice, positive_number
 
 __all__ = [
     "COMPRESSIONS",
+    "FIRST_BUCKET_MB",
     "AllreduceThenStep",
     "Compression",
+    "GradientHooks",
     "allreduce_grads",
     "allreduce_grads_spawn",
     "average_gradients",
+    "average_gradients_overlapped",
+    "backward_buckets",
     "broadcast_module",
     "broadcast_optimizer_state",
     "check_same_layout",
+    "pause_hooks",
 ]
-
-Compression = Literal["bf16", "fp16"]
-COMPRESSIONS: tuple[Compression, ...] = ("bf16", "fp16")
-_WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def broadcast_module(module: torch.nn.Module, ctx: Context) -> torch.nn.Module:
@@ -78,82 +89,10 @@ def broadcast_module(module: torch.nn.Module, ctx: Context) -> torch.nn.Module:
     return module
 
 
-def average_gradients(
-    module: torch.nn.Module,
-    ctx: Context,
-    *,
-    bucket_mb: float = 25.0,
-    compression: Compression | None = None,
-) -> None:
-    """Replace every rank's gradients by their mean over ranks, in buckets of ``bucket_mb``.
-
-    A parameter whose gradient is ``None`` on some ranks counts as zero there;
-    it stays ``None`` only when it is ``None`` on every rank (one small extra
-    all-reduce of a presence mask per call, as DDP does for unused
-    parameters), so an optimizer skips exactly the parameters that a single
-    process on the whole batch would skip.
-
-    Args:
-        module: the module ``wrap`` returned, the same layout on every rank.
-        ctx: the joined world; on a world of one nothing happens.
-        bucket_mb: most MiB fused into one all-reduce, per dtype.
-        compression: ``"bf16"`` or ``"fp16"`` to send 32- and 64-bit
-            gradients as 16-bit values (cast back on arrival), or ``None``.
-
-    Raises:
-        UsageError: ``module`` is not a module, or a gradient is sparse.
-    """
-    training.check_module(module, "update")
-    if not is_distributed(check_context(ctx, "update")):
-        return
-    params = [p for p in module.parameters() if p.requires_grad]
-    if not params:
-        return
-    grads, missing = [], []
-    for index, param in enumerate(params):
-        grad = param.grad
-        if grad is None:
-            missing.append(index)
-            grad = torch.zeros_like(param)  # also where the mean lands, if another rank has one
-        elif grad.is_sparse:
-            raise UsageError(
-                f"update: a parameter of shape {tuple(param.shape)} has a sparse gradient, "
-                "which allreduce_grads() cannot bucket; use dense gradients (e.g. "
-                "nn.Embedding(sparse=False)) or ddp()."
-            )
-        grads.append(grad)
-    # Which parameters have a gradient on any rank (MAX of 0/1 flags), sent alongside the buckets.
-    present = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8).to(ctx.device)
-    present_work = dist.all_reduce(present, op=dist.ReduceOp.MAX, group=ctx.group, async_op=True)
-    wire = None if compression is None else _WIRE_DTYPES[compression]
-    pending = []
-    with torch.no_grad():
-        for bucket in buckets(grads, bucket_mb * MB):
-            members = [grads[i] for i in bucket]
-            flat = flatten(members)
-            # Divide first, as DDP's default hook does: a 16-bit sum then overflows only where
-            # the mean itself would.
-            flat.div_(ctx.world_size)
-            small = not flat.is_floating_point() or flat.element_size() <= 2  # nothing to gain
-            sent = flat if wire is None or small else flat.to(wire)
-            work = dist.all_reduce(sent, group=ctx.group, async_op=True)  # overlaps next flatten
-            pending.append((members, flat, sent, work))
-        for members, flat, sent, work in pending:
-            work.wait()
-            if sent is not flat:
-                flat.copy_(sent)
-            torch._foreach_copy_(members, unflatten(flat, members))
-    present_work.wait()
-    anywhere = present.tolist()
-    for index in missing:
-        if anywhere[index]:
-            params[index].grad = grads[index]
-
-
 _BUCKET_MB = positive_number(
     "allreduce_grads({name}=...)",
     unit="MiB",
-    finite=False,  # infinity: one bucket per dtype
+    finite=False,  # infinity: one bucket per dtype after the first
     hint="; 25.0 is DDP's default, smaller buckets only add calls",
 )
 _COMPRESSION = choice("allreduce_grads({name}=...)", COMPRESSIONS, optional="None (full precision)")
@@ -161,7 +100,10 @@ _COMPRESSION = choice("allreduce_grads({name}=...)", COMPRESSIONS, optional="Non
 
 @attrs.frozen(kw_only=True)
 class AllreduceThenStep:
-    """Update field: average gradients over ranks (`average_gradients`), then ``training.update``.
+    """Update field: average gradients over ranks, then ``training.update``.
+
+    Averaging is `average_gradients_overlapped`: from the second call on, it
+    waits for the buckets the module's gradient hooks sent during backward.
 
     Attributes:
         bucket_mb: most MiB fused into one all-reduce, per dtype.
@@ -175,7 +117,9 @@ class AllreduceThenStep:
         self, optimizer: torch.optim.Optimizer, module: torch.nn.Module, ctx: Context
     ) -> None:
         training.check_optimizer(optimizer, "update")  # before any collective: fail alike
-        average_gradients(module, ctx, bucket_mb=self.bucket_mb, compression=self.compression)
+        average_gradients_overlapped(
+            module, ctx, bucket_mb=self.bucket_mb, compression=self.compression
+        )
         training.update(optimizer, module, ctx)
 
 
@@ -189,17 +133,20 @@ def allreduce_grads(
     arrival_timeout: float = DEFAULT_TIMEOUT,
     join_timeout: float = DEFAULT_JOIN_TIMEOUT,
 ) -> Strategy:
-    """Train the Horovod way: no wrapper, gradients all-reduced in buckets just before the step.
+    """Train the Horovod way: no wrapper, gradient hooks all-reduce buckets during backward.
 
     Its record differs from `ddp`'s in ``wrap``, ``no_sync`` and ``update``
     (``step`` is the same plain ``training.step``: neither needs a step of its
-    own). DDP overlaps communication with backward; this strategy
-    communicates after it, in fewer, larger calls, and can halve the bytes
-    with ``compression``. It runs in place, in ranks that torchrun or SLURM
-    started; `allreduce_grads_spawn` starts them here.
+    own). The first ``update`` attaches post-accumulate-grad hooks to the
+    module's parameters (`GradientHooks`); from then on a bucket is sent as
+    soon as backward has produced its gradients, ``no_sync`` holds the hooks
+    back, and ``update`` waits for the buckets before the step. It can halve
+    the bytes with ``compression``. It runs in place, in ranks that torchrun or
+    SLURM started; `allreduce_grads_spawn` starts them here.
 
     Args:
-        bucket_mb: most MiB of gradients fused into one all-reduce, per dtype.
+        bucket_mb: most MiB of gradients fused into one all-reduce, per dtype
+            (the first bucket in backward order closes at `FIRST_BUCKET_MB`).
         compression: ``"bf16"`` or ``"fp16"`` sends 32/64-bit gradients as
             16-bit values; ``None`` sends them as they are.
         device: ``"auto"`` (``cuda:LOCAL_RANK``, else CPU) or a device.
@@ -233,7 +180,7 @@ def allreduce_grads(
         step=training.step,
         backward=training.backward,
         update=AllreduceThenStep(bucket_mb=bucket_mb, compression=compression),
-        no_sync=training.no_sync,
+        no_sync=pause_hooks,
         reduce=collectives.reduce,
         gather=collectives.gather,
         broadcast=collectives.broadcast,
