@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from stratagem import pending
 from stratagem.checkpoint import dcp_files, directory
+from stratagem.checkpoint.rank_zero import on_main
 from stratagem.env import Context
 from stratagem.errors import CheckpointError, UsageError, describe
 from stratagem.validators import is_number
@@ -145,8 +146,6 @@ def start(
     Raises:
         CheckpointError: the state could not be staged (nothing is left behind).
     """
-    from stratagem.checkpoint.saving import on_main  # saving imports this module
-
     side = _side_context(ctx)
     handle = PendingSave(target)
     directory.stage_hook("staging")

@@ -17,7 +17,7 @@ from typing import Any
 
 from stratagem.checkpoint.directory import latest
 from stratagem.checkpoint.entries import classify
-from stratagem.checkpoint.saving import on_main
+from stratagem.checkpoint.rank_zero import on_main
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
 from stratagem.fields import StrategyLike

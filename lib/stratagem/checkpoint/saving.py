@@ -12,7 +12,7 @@ import contextlib
 import logging
 import os
 import secrets
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -40,6 +40,7 @@ from stratagem.checkpoint.entries import (
     saved_state,
     written_by_this_rank,
 )
+from stratagem.checkpoint.rank_zero import agree, on_main
 from stratagem.env import Context, check_context
 from stratagem.errors import CheckpointError, UsageError, describe
 
@@ -67,38 +68,6 @@ def checked_path(path: object, function: str) -> Path:
 def _check_flag(value: object, name: str, function: str) -> None:
     if not isinstance(value, bool):
         raise UsageError(f"{function}: '{name}' must be True or False (got {describe(value)}).")
-
-
-def on_main(ctx: Context, fn: Callable[[], T]) -> T:
-    """Run ``fn`` on rank 0 and return its result on every rank; if it raises, every rank raises.
-
-    Raises:
-        Exception: what ``fn`` raised on rank 0 (the others raise the same error).
-    """
-    outcome: tuple[bool, Any] = (True, None)
-    if ctx.is_main:
-        try:
-            outcome = (True, fn())
-        except Exception as error:  # every rank must learn of it, or the others would hang
-            outcome = (False, error)
-    outcome = collectives.broadcast(outcome, ctx)
-    ok, value = outcome
-    if not ok:
-        raise value
-    return value  # type: ignore[no-any-return]
-
-
-def agree(ctx: Context, error: Exception | None) -> None:
-    """Raise on every rank if any rank has an error (the failing rank raises its own)."""
-    # On the context's device: NCCL reduces CUDA tensors only.
-    flag = torch.tensor([0 if error is None else 1 + ctx.rank], device=ctx.device)
-    failed = collectives.reduce(flag, "max", ctx)
-    if error is not None:
-        raise error
-    if int(failed) > 0:
-        raise CheckpointError(
-            f"rank {int(failed) - 1} could not take part in the checkpoint; see its error."
-        )
 
 
 def save(

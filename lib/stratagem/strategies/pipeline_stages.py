@@ -25,6 +25,7 @@ from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
 from stratagem.fields import ForwardFn
 from stratagem.replicas import broadcast_tensors, check_same_layout
+from stratagem.strategies.pipeline_loss import MicroLoss
 from stratagem.strategies.pipeline_schedules import (
     SCHEDULES,
     check_microbatches,
@@ -185,18 +186,6 @@ def stage_view(module: torch.nn.Module, paths: Sequence[str]) -> torch.nn.Module
     return _pruned(module, "", set(paths))
 
 
-@attrs.frozen
-class _MicroLoss:
-    """The schedule's loss function: the user's forward on one micro-batch of the step."""
-
-    run: PipelineRun
-
-    def __call__(self, output: Any, index: torch.Tensor) -> torch.Tensor:
-        from stratagem.strategies.pipeline_step import micro_loss
-
-        return micro_loss(self.run, output, int(index[0]))
-
-
 def _mesh(ctx: Context) -> DeviceMesh:
     mesh: DeviceMesh | None = ctx.mesh
     if mesh is None or "pp" not in (mesh.mesh_dim_names or ()):
@@ -276,7 +265,7 @@ class PipelineWrap:
         run.schedule = cls(
             stages if SCHEDULES[self.schedule].multi else stages[0],
             n_microbatches=self.microbatches,
-            loss_fn=_MicroLoss(run),
+            loss_fn=MicroLoss(run),
             scale_grads=True,  # each micro-batch's mean loss / microbatches: the batch's mean
         )
         _RUNS[view] = run

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-import attrs
 import torch
 import torch.distributed as dist
 
@@ -21,8 +20,9 @@ from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
 from stratagem.fields import ForwardFn
 from stratagem.replicas import buckets, flatten, unflatten
-from stratagem.strategies.pipeline_stages import PipelineRun, run_of
-from stratagem.training import check_loss, check_module, check_optimizer, move_batch
+from stratagem.strategies.pipeline_loss import FORWARD_NOT_HONOURED
+from stratagem.strategies.pipeline_stages import run_of
+from stratagem.training import check_module, check_optimizer, move_batch
 from stratagem.trees import map_tensors, tensors_in
 from stratagem.validators import require
 
@@ -30,7 +30,6 @@ __all__ = [
     "FORWARD_NOT_HONOURED",
     "NEEDS_A_FORWARD",
     "NOT_THE_STEP_LOSS",
-    "micro_loss",
     "pipeline_backward",
     "pipeline_no_sync",
     "pipeline_step",
@@ -43,13 +42,6 @@ NEEDS_A_FORWARD = (
     "your ddp() loop passes, e.g. forward=lambda m, b: mse_loss(m(b[0]), b[1])."
 )
 
-FORWARD_NOT_HONOURED = (
-    "step: under a pipeline, forward(model, batch) runs on the last stage once per "
-    "micro-batch, and its 'model' stands for the whole pipeline applied to the micro-batch's "
-    "inputs (batch[0]); it must call model(batch[0]) exactly once, with nothing else, "
-    "and compute the loss from the result ({what}). Move work on the inputs into the module."
-)
-
 NOT_THE_STEP_LOSS = (
     "backward: a pipeline's step already ran the backward of every micro-batch, so backward "
     "accepts only the loss step returned (got {got}); a term added to it afterwards would "
@@ -57,36 +49,6 @@ NOT_THE_STEP_LOSS = (
 )
 
 _BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket
-
-
-@attrs.define
-class _PipelineOutput:
-    """What the user's forward sees as ``model`` on the last stage: a call gives the output."""
-
-    output: Any
-    inputs: torch.Tensor
-    calls: int = 0
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if len(args) != 1 or kwargs or args[0] is not self.inputs:
-            raise UsageError(
-                FORWARD_NOT_HONOURED.format(what="it called model with other arguments")
-            )
-        self.calls += 1
-        if self.calls > 1:
-            raise UsageError(FORWARD_NOT_HONOURED.format(what="it called model twice"))
-        return self.output
-
-
-def micro_loss(run: PipelineRun, output: Any, index: int) -> torch.Tensor:
-    """Return the user's forward's loss on micro-batch ``index``, given the last stage's output."""
-    chunk = run.chunks[index]
-    stand_in = _PipelineOutput(output, chunk[0])
-    assert run.forward is not None  # set by step for the schedule it runs
-    loss = run.forward(stand_in, chunk)  # type: ignore[arg-type]  # a stand-in for the module
-    if stand_in.calls != 1:
-        raise UsageError(FORWARD_NOT_HONOURED.format(what="it never called model"))
-    return check_loss(loss, "step (the loss forward returned)")
 
 
 def _micro_batches(batch: Any, microbatches: int) -> list[Any]:
