@@ -122,8 +122,8 @@ def test_an_optimizer_setting_replaced_by_a_malicious_pickle_is_refused(tmp_path
     # DCP stores non-tensor items (here an optimizer's lr) as pickles it would load unrestricted.
     real = entries.live_state
 
-    def tampered(entry):
-        state = real(entry)
+    def tampered(entry, **options):
+        state = real(entry, **options)
         if entry.kind == "optimizer":
             state["param_groups"][0]["lr"] = Payload()
         return state

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
+import attrs
 import torch
 
 if TYPE_CHECKING:
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BackwardFn",
+    "BackwardInStep",
     "BarrierFn",
     "BroadcastFn",
     "ForwardFn",
@@ -105,6 +107,28 @@ class BackwardFn(Protocol):
     def __call__(self, loss: torch.Tensor, module: torch.nn.Module, ctx: Context, /) -> None:
         """Accumulate gradients of ``loss`` into ``module``'s parameters."""
         ...
+
+
+@attrs.frozen
+class BackwardInStep:
+    """A backward field whose strategy's ``step`` already ran the backward (a pipeline's schedule).
+
+    It calls ``check`` (which refuses any loss but the one ``step`` returned);
+    combinators that change the loss before backward (accumulation, loss
+    scaling) find this field and refuse the strategy, since the change would
+    reach no gradient.
+
+    Attributes:
+        check: the backward field itself: checks its arguments, backpropagates nothing.
+        microbatches: the micro-batches one step runs (what accumulation
+            should multiply instead).
+    """
+
+    check: BackwardFn
+    microbatches: int
+
+    def __call__(self, loss: torch.Tensor, module: torch.nn.Module, ctx: Context, /) -> None:
+        self.check(loss, module, ctx)
 
 
 class UpdateFn(Protocol):

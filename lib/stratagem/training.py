@@ -7,6 +7,7 @@ example); these are the plain-PyTorch meaning of each field.
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
 from stratagem.fields import ForwardFn
+from stratagem.parts import part_of
 from stratagem.trees import map_tensors
 from stratagem.validators import is_number, require
 
@@ -190,11 +192,23 @@ def no_sync(module: torch.nn.Module, ctx: Context) -> contextlib.AbstractContext
     return contextlib.nullcontext()
 
 
-def clip_norm_(parameters: list[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
+def clip_norm_(
+    parameters: list[torch.Tensor],
+    max_norm: float,
+    norm_type: float,
+    split_over: Any | None = None,
+) -> torch.Tensor:
     """Scale the gradients of ``parameters`` to a total norm of at most ``max_norm``.
 
     The one norm clipper: `with_clipping` and `clip_grad_norm` both call it.
     On sharded (DTensor) gradients the norm is the global one, over every shard.
+
+    Args:
+        parameters: the parameters whose gradients to clip.
+        max_norm: the largest total norm allowed.
+        norm_type: the p of the p-norm.
+        split_over: for a module split over ranks (a pipeline's stages), the
+            process group of its parts: the norm is then the whole module's.
 
     Returns:
         The total norm before clipping, a plain tensor, the same on every rank.
@@ -205,17 +219,35 @@ def clip_norm_(parameters: list[torch.Tensor], max_norm: float, norm_type: float
             groups.setdefault(id(getattr(parameter.grad, "device_mesh", None)), []).append(
                 parameter.grad
             )
-    if len(groups) <= 1:  # one mesh (or none): torch's own clipper, bit for bit
+    if len(groups) <= 1 and split_over is None:  # one mesh (or none): torch's own, bit for bit
         norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
         return _whole(norm)
     # FSDP x TP: tensor-parallel gradients live on the 2-D mesh, the others on the data-parallel
     # one, and DTensor does not mix meshes in one op: a norm per mesh, then the norm of those.
     norms = [_whole(torch.nn.utils.get_total_norm(g, norm_type)) for g in groups.values()]
     total = torch.nn.utils.get_total_norm(norms, norm_type)
+    if split_over is not None:
+        total = _whole_module_norm(total, norm_type, split_over, parameters)
     coefficient = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
     for grads in groups.values():
         torch._foreach_mul_(grads, coefficient)
     return total
+
+
+def _whole_module_norm(
+    norm: torch.Tensor, norm_type: float, group: Any, parameters: list[torch.Tensor]
+) -> torch.Tensor:
+    """Return the norm of every part's ``norm`` over ``group``: the p-norm of the p-norms."""
+    import torch.distributed as dist
+
+    device = parameters[0].device if parameters else norm.device  # NCCL reduces CUDA tensors
+    norm = norm.to(device)
+    if math.isinf(norm_type):
+        dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
+        return norm
+    powered = norm.pow(norm_type)
+    dist.all_reduce(powered, group=group)
+    return powered.pow(1.0 / norm_type)
 
 
 def _whole(norm: torch.Tensor) -> torch.Tensor:
@@ -250,7 +282,10 @@ def clip_grad_norm(
     ok = is_number(norm_type, above=0, finite=False)
     what = "a positive number, float('inf') for the largest entry"
     require(ok, "clip_grad_norm: 'norm_type'", what, norm_type)
-    return clip_norm_(list(module.parameters()), max_norm, norm_type)
+    part = part_of(module)  # a pipeline's stages: the norm is the whole module's
+    return clip_norm_(
+        list(module.parameters()), max_norm, norm_type, None if part is None else part.group
+    )
 
 
 def original_module(module: torch.nn.Module) -> torch.nn.Module:

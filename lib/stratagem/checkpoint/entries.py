@@ -24,9 +24,9 @@ Who owns each entry, and so which rank writes it:
 - **per rank** (entries marked with `per_rank`): each rank writes its own, and
   on load each rank gets back its own: data positions, an already-fetched batch.
 
-A module that ``pipeline()``'s wrap returned on a pipeline of several ranks is
-refused (`PIPELINE_NOT_SAVED`): its stages live on different ranks, which none
-of the three kinds describes yet.
+- **parts** (a module a wrap marked with `stratagem.parts.hold_part`,
+  as ``pipeline()``'s stages are, and its optimizer): each part is written by
+  the rank its mark names, the optimizer's state flattened per parameter name.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from stratagem.checkpoint.directory import encode
 from stratagem.errors import CheckpointError, UsageError, describe
+from stratagem.parts import Part, part_of
 from stratagem.training import original_module
 
 if TYPE_CHECKING:
@@ -140,12 +141,15 @@ class Entry:
         kind: ``"module"``, ``"optimizer"``, ``"object"`` or ``"value"``.
         target: the plain (unwrapped) module, the optimizer, the object or the value.
         owner: for an optimizer, the plain module whose parameters it updates.
+        part: for a module split over ranks (and its optimizer), how this
+            rank's part of it is saved; None for the whole of one.
     """
 
     name: str
     kind: Kind
     target: Any
     owner: torch.nn.Module | None = None
+    part: Part | None = None
 
 
 def _kind(value: object) -> Kind:
@@ -197,28 +201,6 @@ def settle(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-PIPELINE_NOT_SAVED = (
-    "{function}: {name!r} is one rank's stages of a pipeline of {ranks} ranks; its other "
-    "stages live on other ranks, and a checkpoint written from rank 0 alone would silently "
-    "lack them. Checkpoints of a pipeline split over ranks are not supported yet: save each "
-    "rank's module.state_dict() (keys are the unsplit module's) with per_rank(...)."
-)
-
-
-def _refuse_split_pipeline(name: str, module: torch.nn.Module, function: str) -> None:
-    # A pipeline's modules mean its module is imported; otherwise there are none.
-    stages = sys.modules.get("stratagem.strategies.pipeline_stages")
-    run = None if stages is None else stages.pipeline_run(module)
-    if run is not None:
-        import torch.distributed as dist
-
-        ranks = dist.get_world_size(run.pp_group)
-        if ranks > 1:
-            raise CheckpointError(
-                PIPELINE_NOT_SAVED.format(function=function, name=name, ranks=ranks)
-            )
-
-
 def classify(state: object, function: str) -> list[Entry]:
     """Return the entries of ``state``, each with its kind.
 
@@ -244,15 +226,14 @@ def classify(state: object, function: str) -> list[Entry]:
             f"under '<name>.<rank>' ({per_rank}); rename them, e.g. with '_' for '.'."
         )
     modules = {k: settle(unwrap(v)) for k, v in state.items() if isinstance(v, torch.nn.Module)}
-    for name, module in modules.items():
-        _refuse_split_pipeline(name, module, function)
     entries = []
     for name, value in state.items():
         kind = _kind(value)
         if kind == "module":
-            entries.append(Entry(name, kind, modules[name]))
+            entries.append(Entry(name, kind, modules[name], part=part_of(modules[name])))
         elif kind == "optimizer":
-            entries.append(Entry(name, kind, value, _owner(name, value, modules)))
+            owner = _owner(name, value, modules)
+            entries.append(Entry(name, kind, value, owner, part=part_of(owner)))
         elif kind in PER_RANK_KINDS:
             entries.append(Entry(name, kind, value.value))
         else:
@@ -260,9 +241,14 @@ def classify(state: object, function: str) -> list[Entry]:
     return entries
 
 
-def live_state(entry: Entry) -> Any:
-    """Return the DCP state dict of a module or optimizer entry (tensors alias the live ones)."""
+def live_state(entry: Entry, *, flat: bool = False) -> Any:
+    """Return the DCP state dict of a module or optimizer entry (tensors alias the live ones).
+
+    With ``flat``, an optimizer's state is keyed per parameter name (see
+    `stratagem.parts`).
+    """
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         get_model_state_dict,
         get_optimizer_state_dict,
     )
@@ -271,7 +257,8 @@ def live_state(entry: Entry) -> Any:
         return get_model_state_dict(entry.target)
     optimizer = cast(torch.optim.Optimizer, entry.target)
     fresh = not optimizer.state
-    state = get_optimizer_state_dict(cast(torch.nn.Module, entry.owner), optimizer)
+    options = StateDictOptions(flatten_optimizer_state_dict=flat)
+    state = get_optimizer_state_dict(cast(torch.nn.Module, entry.owner), optimizer, options=options)
     if fresh:
         # DCP fills an optimizer that never stepped by stepping it with lr 0; undo that,
         # so that saving leaves a run exactly as it was.
@@ -337,7 +324,7 @@ def saved_state(
                 ties[entry.name] = aliases
             saved[entry.name] = {k: v for k, v in state.items() if k not in aliases}
         elif entry.kind == "optimizer":
-            saved[entry.name] = live_state(entry)
+            saved[entry.name] = live_state(entry, flat=entry.part is not None)
         elif entry.kind == "object":
             saved[entry.name] = encode(entry.target.state_dict(), f"the state of {entry.name!r}")
         elif entry.kind == "per_rank_object":
@@ -397,13 +384,23 @@ def _sharded_part(tree: Any) -> Any:
     return tree if _is_sharded(tree) else None
 
 
-def written_by_this_rank(saved: dict[str, Any], per_rank_names: set[str], ctx: Context) -> Any:
-    """Return the part of ``saved`` this rank writes: all on rank 0, else shards and per-rank."""
-    if ctx.rank == 0:
-        return saved
+def written_by_this_rank(
+    saved: dict[str, Any], per_rank_names: set[str], parts: Mapping[str, bool], ctx: Context
+) -> Any:
+    """Return the part of ``saved`` this rank writes.
+
+    Rank 0 writes every replicated entry, each rank its shards and per-rank
+    entries, and a module split over ranks (``parts``: entry name to whether
+    this rank writes its part) comes from the writer of each part.
+    """
     written = {}
     for name, value in saved.items():
-        part = value if name in per_rank_names else _sharded_part(value)
+        if name in parts:
+            part = value if parts[name] else None
+        elif ctx.rank == 0 or name in per_rank_names:
+            part = value
+        else:
+            part = _sharded_part(value)
         if part is not None:
             written[name] = part
     return written
@@ -436,7 +433,9 @@ def listing(keys: Sequence[str]) -> str:
     return shown + (f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else "")
 
 
-def differing_replicas(replicated: dict[str, Any], ctx: Context) -> str | None:
+def differing_replicas(
+    replicated: dict[str, Any], ctx: Context, parts: Mapping[str, int] | None = None
+) -> str | None:
     """Compare the replicated entries of every rank; describe those that differ, by key.
 
     Args:
@@ -444,10 +443,14 @@ def differing_replicas(replicated: dict[str, Any], ctx: Context) -> str | None:
             optimizer state dicts, objects' states, plain values).
         ctx: the joined world; every rank must call it (it gathers the
             fingerprints: every replicated tensor is hashed on every rank).
+        parts: the entries of ``replicated`` that are parts of a module split
+            over ranks, each with the rank whose copy of this rank's part is
+            written: a part is compared with that rank's, the rest with rank 0's.
 
     Returns:
-        None if every rank holds the same, else the keys and the ranks that differ from rank 0.
+        None if every rank holds the same, else the keys and the ranks that differ.
     """
+    parts = parts or {}
     mine: dict[str, str] = {}
     for name in sorted(replicated):
         _fingerprints(replicated[name], f"/{name}", mine)
@@ -455,24 +458,24 @@ def differing_replicas(replicated: dict[str, Any], ctx: Context) -> str | None:
         return None
     import torch.distributed as dist
 
-    everyone: list[dict[str, str]] = [{} for _ in range(ctx.world_size)]
-    dist.all_gather_object(everyone, mine, group=ctx.group)
-    reference = everyone[0]
-    ranks_by_key: dict[str, list[int]] = {}
-    for rank, theirs in enumerate(everyone[1:], start=1):
-        for path in sorted(reference.keys() | theirs.keys()):
-            if reference.get(path) != theirs.get(path):
-                ranks = ranks_by_key.setdefault(path[1:], [])
-                if rank not in ranks:
-                    ranks.append(rank)
-    if not ranks_by_key:
+    everyone: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(everyone, (mine, dict(parts)), group=ctx.group)
+    differing: dict[tuple[str, int], list[int]] = {}
+    for rank, (theirs, their_parts) in enumerate(everyone):
+        references = {0, *their_parts.values()}
+        for path in sorted(set(theirs).union(*(everyone[r][0] for r in references))):
+            name = path[1:].split("/")[0]
+            reference = their_parts.get(name, 0)
+            if rank != reference and everyone[reference][0].get(path) != theirs.get(path):
+                differing.setdefault((path[1:], reference), []).append(rank)
+    if not differing:
         return None
-    differing = [
+    described = [
         f"{key} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
-        f"differ{'' if len(ranks) > 1 else 's'} from rank 0)"
-        for key, ranks in ranks_by_key.items()
+        f"differ{'' if len(ranks) > 1 else 's'} from rank {reference})"
+        for (key, reference), ranks in differing.items()
     ]
-    return f"{len(ranks_by_key)} replicated entries differ across ranks: {listing(differing)}"
+    return f"{len(differing)} replicated entries differ across ranks: {listing(described)}"
 
 
 def refuse_differing(report: str) -> CheckpointError:

@@ -41,13 +41,17 @@ def on_main(ctx: Context, fn: Callable[[], T]) -> T:
 
 
 def agree(ctx: Context, error: Exception | None) -> None:
-    """Raise on every rank if any rank has an error (the failing rank raises its own)."""
-    # On the context's device: NCCL reduces CUDA tensors only.
-    flag = torch.tensor([0 if error is None else 1 + ctx.rank], device=ctx.device)
-    failed = collectives.reduce(flag, "max", ctx)
+    """Raise on every rank if any rank has an error (the failing rank raises its own).
+
+    The others raise a `CheckpointError` that quotes the lowest failing rank's
+    message, so that whichever rank a launcher reports names the cause.
+    """
+    # On the context's device: NCCL reduces CUDA tensors only. The lowest failing rank wins.
+    flag = torch.tensor([ctx.world_size if error is None else ctx.rank], device=ctx.device)
+    failed = int(collectives.reduce(flag, "min", ctx))
+    if failed == ctx.world_size:
+        return
+    message = collectives.broadcast(str(error) if error is not None else "", ctx, src=failed)
     if error is not None:
         raise error
-    if int(failed) > 0:
-        raise CheckpointError(
-            f"rank {int(failed) - 1} could not take part in the checkpoint; see its error."
-        )
+    raise CheckpointError(f"rank {failed} could not take part in the checkpoint: {message}")

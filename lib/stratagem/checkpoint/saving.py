@@ -43,6 +43,7 @@ from stratagem.checkpoint.entries import (
 from stratagem.checkpoint.rank_zero import agree, on_main
 from stratagem.env import Context, check_context
 from stratagem.errors import CheckpointError, UsageError, describe
+from stratagem.parts import everyones, everyones_ties
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import STORAGE_TYPES, Metadata
@@ -163,11 +164,15 @@ def save(
             for e in entries
             if e.name not in per_rank
         }
-        report = differing_replicas(compared, ctx)
+        references = {e.name: e.part.reference for e in entries if e.part is not None}
+        report = differing_replicas(compared, ctx, references)
         if report is not None:
             raise refuse_differing(report)
     from stratagem.checkpoint import dcp_files  # imports DCP (a second): only once it is needed
 
+    parts = {e.name: e.part.writes for e in entries if e.part is not None}
+    if parts:  # a tie inside a part held by another rank is known to that rank only
+        ties = everyones_ties(ties, ctx)
     token = secrets.token_hex(6)
     tmp = on_main(ctx, lambda: directory.begin(target, token))
     manifest = {
@@ -175,9 +180,11 @@ def save(
         "tied": ties,
         "world_size": ctx.world_size,
         "rng": rng,
+        # Optimizers of parts, keyed per parameter name (checkpoint.parts); load reads them so.
+        "flat": sorted(e.name for e in entries if e.kind == "optimizer" and e.part is not None),
         "torch": torch.__version__,
     }
-    files = written_by_this_rank(saved, per_rank, ctx)
+    files = written_by_this_rank(saved, per_rank, parts, ctx)
     if not blocking:
         return background.start(
             files, tmp, target, manifest, ctx, keep_last=keep_last, checksums=checksums
@@ -388,6 +395,8 @@ def match(
     saved_kinds: dict[str, Kind],
     layout: dict[str, dict[tuple[str, ...], STORAGE_TYPES]],
     ties: dict[str, dict[str, str]] | None = None,
+    flat: frozenset[str] = frozenset(),
+    ctx: Context | None = None,
 ) -> tuple[dict[str, Any], Mismatch]:
     """Return the state dicts to read modules and optimizers into, and the differences.
 
@@ -395,13 +404,19 @@ def match(
     tensors alias the live ones, so reading into them loads in place. Plain
     values in ``state`` are not compared: every saved one is returned. A
     module's key saved as an alias of another (``ties``, a tied weight) is
-    read through that one: it is left out of the returned state dict.
+    read through that one: it is left out of the returned state dict. The
+    optimizers named in ``flat`` were saved keyed per parameter name. A saved
+    key of a part (see `stratagem.parts`) is unexpected only if no
+    rank of ``ctx`` holds it: every rank must call ``match`` when parts are in
+    ``entries``.
     """
     templates: dict[str, Any] = {}
     missing: list[str] = []
     unexpected: list[str] = []
     differing: list[str] = []
     names = {entry.name for entry in entries}
+    held_parts: set[str] = set()  # the keys this rank's parts hold
+    unheld: list[str] = []  # saved keys of parts that this rank does not hold
     returned = ("value", "per_rank_value")  # load returns these, asked for or not
     unexpected += [n for n, k in saved_kinds.items() if k not in returned and n not in names]
     for entry in entries:
@@ -415,7 +430,7 @@ def match(
                 f"{_describe_kind(entry.kind)} here)"
             )
         elif kind in ("module", "optimizer"):
-            templates[entry.name] = live_state(entry)
+            templates[entry.name] = live_state(entry, flat=entry.name in flat)
             aliases = (ties or {}).get(entry.name, {}) if kind == "module" else {}
             for alias, original in aliases.items():
                 if original in templates[entry.name]:
@@ -423,11 +438,18 @@ def match(
             requested = dict(leaf_paths(templates[entry.name]))
             saved = layout.get(entry.name, {})
             missing += ["/".join((entry.name, *p)) for p in requested if p not in saved]
-            unexpected += ["/".join((entry.name, *p)) for p in saved if p not in requested]
+            if entry.part is not None:  # held by some rank: its own keys, or another part's
+                held_parts |= {"/".join((entry.name, *p)) for p in requested}
+                unheld += ["/".join((entry.name, *p)) for p in saved if p not in requested]
+            else:
+                unexpected += ["/".join((entry.name, *p)) for p in saved if p not in requested]
             for path in (p for p in requested if p in saved):
                 why = _differs(requested[path], saved[path])
                 if why is not None:
                     differing.append(f"{'/'.join((entry.name, *path))} ({why})")
+    if any(entry.part is not None for entry in entries):
+        held = everyones(held_parts, ctx) if ctx is not None else held_parts
+        unexpected += [key for key in unheld if key not in held]
     return templates, Mismatch(tuple(missing), tuple(sorted(unexpected)), tuple(differing))
 
 
@@ -528,7 +550,8 @@ def _load(
     except CheckpointError as error:
         rank_error = error
     ties = _ties(found)
-    templates, mismatch = match(entries, kinds, layout_of(metadata), ties)
+    flat = _flat(found)
+    templates, mismatch = match(entries, kinds, layout_of(metadata), ties, flat, ctx)
     stranded = [] if same_world else _stranded(entries, kinds)
     agree(
         ctx,
@@ -555,7 +578,7 @@ def _load(
                 "partly loaded; load again or rebuild them."
             ) from None
     _retie(entries, templates, ties)
-    _apply(entries, templates, objects, strict)
+    _apply(entries, templates, objects, strict, flat)
     if rng_saved is not None:
         restore_rng(rng_saved, ctx.device)
     return values
@@ -571,6 +594,14 @@ def _ties(found: Found) -> dict[str, dict[str, str]]:
     ):
         raise unreadable(found.directory, "its manifest's 'tied' entry is malformed")
     return ties
+
+
+def _flat(found: Found) -> frozenset[str]:
+    """Return the optimizers the manifest lists as keyed per parameter name (none before them)."""
+    flat = found.manifest.get("flat", [])
+    if not isinstance(flat, list) or not all(isinstance(name, str) for name in flat):
+        raise unreadable(found.directory, "its manifest's 'flat' entry is malformed")
+    return frozenset(flat)
 
 
 def _retie(
@@ -618,7 +649,11 @@ def _refusal(found: Found, mismatch: Mismatch, strict: bool) -> CheckpointError 
 
 
 def _apply(
-    entries: list[Entry], templates: dict[str, Any], objects: dict[str, Any], strict: bool
+    entries: list[Entry],
+    templates: dict[str, Any],
+    objects: dict[str, Any],
+    strict: bool,
+    flat: frozenset[str],
 ) -> None:
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -633,6 +668,35 @@ def _apply(
             )
         elif entry.name in templates and entry.kind == "optimizer":
             owner = cast(torch.nn.Module, entry.owner)  # classify found it for every optimizer
-            set_optimizer_state_dict(owner, entry.target, templates[entry.name])
+            if entry.name in flat:
+                options = StateDictOptions(flatten_optimizer_state_dict=True)
+                with _without_grads(entry.target):
+                    set_optimizer_state_dict(
+                        owner, entry.target, templates[entry.name], options=options
+                    )
+            else:
+                set_optimizer_state_dict(owner, entry.target, templates[entry.name])
         elif entry.name in objects:  # an object's state, replicated or this rank's
             entry.target.load_state_dict(objects[entry.name])
+
+
+@contextlib.contextmanager
+def _without_grads(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Hide the gradients of an optimizer that never stepped, while its flat state is set.
+
+    DCP unflattens a state by the slots of the live optimizer, creating them by
+    a step with zero gradients, which it skips when any parameter has a
+    gradient: the slots would then be silently left out.
+    """
+    hidden = (
+        {}
+        if optimizer.state
+        else {p: p.grad for group in optimizer.param_groups for p in group["params"]}
+    )
+    for parameter in hidden:
+        parameter.grad = None
+    try:
+        yield
+    finally:
+        for parameter, grad in hidden.items():
+            parameter.grad = grad

@@ -13,7 +13,15 @@ import torch
 from stratagem.combinators._base import CombinatorError, applied, check_strategy
 from stratagem.env import Context, Env, check_context, check_env
 from stratagem.errors import UsageError, describe
-from stratagem.fields import BackwardFn, ForwardFn, NoSyncFn, SetupFn, StepFn, UpdateFn
+from stratagem.fields import (
+    BackwardFn,
+    BackwardInStep,
+    ForwardFn,
+    NoSyncFn,
+    SetupFn,
+    StepFn,
+    UpdateFn,
+)
 from stratagem.strategy import Strategy
 from stratagem.training import check_loss, check_module, check_optimizer
 from stratagem.validators import is_int, require
@@ -202,7 +210,8 @@ def accumulate(strategy: Strategy, every: Every, *, normalize: Normalize = "mean
         UsageError: ``strategy`` is not a `Strategy`, ``every`` is neither a
             positive int nor a function of one argument, or ``normalize`` is
             unknown; at setup, the function ``every`` returned no positive int.
-        CombinatorError: the strategy already accumulates.
+        CombinatorError: the strategy already accumulates, or its step runs
+            the backward (a pipeline: raise its ``microbatches`` instead).
 
     Example:
         >>> import stratagem as sg
@@ -217,6 +226,15 @@ def accumulate(strategy: Strategy, every: Every, *, normalize: Normalize = "mean
     if applied(strategy, AccumulationUpdate) is not None:
         raise CombinatorError(
             f"accumulate: strategy {strategy.name!r} already accumulates; apply it once."
+        )
+    in_step = applied(strategy, BackwardInStep)
+    if in_step is not None:
+        more = in_step.microbatches * every if isinstance(every, int) else "more"
+        raise CombinatorError(
+            f"accumulate: strategy {strategy.name!r} runs the backward in its step (a "
+            "pipeline's schedule), so a loss divided by the window would reach no gradient; a "
+            f"pipeline accumulates over its micro-batches: use microbatches={more} (and a "
+            "batch that many times larger) instead."
         )
     shown = every if isinstance(every, int) else "(by world size)"
     return attrs.evolve(

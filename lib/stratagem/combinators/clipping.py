@@ -19,6 +19,7 @@ from stratagem.combinators.precision import PrecisionState
 from stratagem.env import Context, Env, check_context
 from stratagem.errors import UsageError
 from stratagem.fields import SetupFn, UpdateFn
+from stratagem.parts import part_of
 from stratagem.strategy import Strategy
 from stratagem.training import check_optimizer, clip_norm_
 from stratagem.validators import is_number, require
@@ -82,7 +83,9 @@ class ClipUpdate:
                 precision.unscale(optimizer)  # clip what the optimizer will see, not scaled values
             parameters = _parameters(optimizer, module)
             if self.max_norm is not None:
-                norm = clip_norm_(parameters, self.max_norm, self.norm_type)
+                part = part_of(module)  # a pipeline's stages: the whole module's norm
+                split_over = None if part is None else part.group
+                norm = clip_norm_(parameters, self.max_norm, self.norm_type, split_over)
                 state = ctx.extras.get("clipping")
                 if isinstance(state, ClipState):
                     state.last_norm = float(norm)

@@ -18,7 +18,15 @@ from stratagem.combinators._base import (
 )
 from stratagem.env import Context, Env, check_context
 from stratagem.errors import UsageError
-from stratagem.fields import BackwardFn, ForwardFn, SetupFn, StepFn, UpdateFn, WrapFn
+from stratagem.fields import (
+    BackwardFn,
+    BackwardInStep,
+    ForwardFn,
+    SetupFn,
+    StepFn,
+    UpdateFn,
+    WrapFn,
+)
 from stratagem.strategies.fsdp_units import WrapFSDP
 from stratagem.strategy import Strategy
 from stratagem.training import check_loss, check_optimizer, move_batch
@@ -232,8 +240,9 @@ def with_precision(strategy: Strategy, precision: Precision) -> Strategy:
 
     Raises:
         UsageError: ``strategy`` is not a `Strategy`, or ``precision`` is unknown.
-        CombinatorError: the strategy already has a precision, or (``-mixed``
-            under FSDP) its ``fsdp()`` already has an ``mp_policy``.
+        CombinatorError: the strategy already has a precision, (``-mixed``
+            under FSDP) its ``fsdp()`` already has an ``mp_policy``, or
+            (``"16-mixed"``) its step runs the backward (a pipeline).
 
     Example:
         >>> import stratagem as sg
@@ -252,6 +261,12 @@ def with_precision(strategy: Strategy, precision: Precision) -> Strategy:
         raise CombinatorError(
             f"with_precision: strategy {strategy.name!r} already has precision "
             f"{existing.precision!r}; apply with_precision once."
+        )
+    if precision == "16-mixed" and applied(strategy, BackwardInStep) is not None:
+        raise CombinatorError(
+            f"with_precision: strategy {strategy.name!r} runs the backward in its step (a "
+            "pipeline's schedule), so the loss scaling of '16-mixed' would reach no gradient; "
+            "use 'bf16-mixed' (no loss scaling) or '16-true'."
         )
     wrap = strategy.wrap
     if _mixed(precision) and applied(strategy, WrapFSDP) is not None:

@@ -20,7 +20,7 @@ from stratagem.arrivals import DEFAULT_TIMEOUT
 from stratagem.devices import DeviceSpec, check_device_spec
 from stratagem.env import Context, Env, check_env
 from stratagem.errors import UsageError
-from stratagem.fields import SetupFn
+from stratagem.fields import BackwardInStep, SetupFn
 from stratagem.launching import in_place
 from stratagem.process_group import DEFAULT_JOIN_TIMEOUT, JoinProcessGroup, leave_process_group
 from stratagem.sharding import shard_loader
@@ -202,7 +202,7 @@ def pipeline(
         ),
         wrap=wrap,
         step=pipeline_step,
-        backward=pipeline_backward,
+        backward=BackwardInStep(pipeline_backward, microbatches),
         update=pipeline_update,
         no_sync=pipeline_no_sync,
         reduce=collectives.reduce,

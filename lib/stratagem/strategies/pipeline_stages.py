@@ -24,6 +24,7 @@ from stratagem.collectives import is_distributed
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
 from stratagem.fields import ForwardFn
+from stratagem.parts import Part, hold_part
 from stratagem.replicas import broadcast_tensors, check_same_layout
 from stratagem.strategies.pipeline_loss import MicroLoss
 from stratagem.strategies.pipeline_schedules import (
@@ -111,11 +112,6 @@ def run_of(module: object, function: str) -> PipelineRun:
     if run is None:
         raise UsageError(NOT_A_PIPELINE_MODULE.format(function=function, got=describe(module)))
     return run
-
-
-def pipeline_run(module: torch.nn.Module) -> PipelineRun | None:
-    """Return the `PipelineRun` of ``module``, or None if no pipeline wrap returned it."""
-    return _RUNS.get(module)
 
 
 def _covers(path: str, name: str) -> bool:
@@ -245,9 +241,10 @@ class PipelineWrap:
             PipelineStage(part, index, count, ctx.device, group=group)
             for part, index in zip(parts, held, strict=True)
         ]
-        dp_group, dp_size = None, 1
+        dp_group, dp_size, first_replica = None, 1, int(pp_mesh.mesh[pp_rank])
         if "dp" in (mesh.mesh_dim_names or ()) and mesh["dp"].size() > 1:
             dp_group, dp_size = mesh["dp"].get_group(), mesh["dp"].size()
+            first_replica = int(mesh.mesh[0, pp_rank])  # this stage's copy in the first pipeline
         last_rank = rank_of_stage(self.schedule, count - 1, count, size)
         run = PipelineRun(
             schedule=None,
@@ -269,4 +266,6 @@ class PipelineWrap:
             scale_grads=True,  # each micro-batch's mean loss / microbatches: the batch's mean
         )
         _RUNS[view] = run
+        if size > 1:  # other ranks hold the other stages: save each stage once, by its names
+            hold_part(view, Part(first_replica == ctx.rank, first_replica, group))
         return view

@@ -120,12 +120,14 @@ def pipeline_step(
     losses: list[torch.Tensor] = []
     target = torch.arange(run.microbatches, device=ctx.device) if run.last else None
     inputs = (batch[0],) if run.first else ()
+    earlier = _set_aside_gradients(module)
     try:
         run.schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
     except RuntimeError as error:
         raise _users_own(error) from None
     finally:
         run.forward, run.chunks = None, []
+        _add_back(earlier)
     if run.last:
         loss = torch.stack([item.detach() for item in losses]).mean()
     else:
@@ -134,6 +136,28 @@ def pipeline_step(
         dist.broadcast(loss, src=run.last_rank, group=run.pp_group)
     run.loss = loss
     return loss
+
+
+def _set_aside_gradients(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Take away the gradients of earlier steps (two steps before an update accumulate).
+
+    The schedule divides each parameter's whole gradient by the number of
+    micro-batches at its end, which would divide an earlier step's again.
+    """
+    earlier: list[tuple[torch.Tensor, torch.Tensor]] = [
+        (p, p.grad) for p in module.parameters() if p.grad is not None
+    ]
+    for parameter, _ in earlier:
+        parameter.grad = None
+    return earlier
+
+
+def _add_back(earlier: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for parameter, grad in earlier:
+        if parameter.grad is None:
+            parameter.grad = grad
+        else:
+            parameter.grad.add_(grad)  # earlier + this step's, as autograd accumulates
 
 
 def pipeline_backward(loss: torch.Tensor, module: torch.nn.Module, ctx: Context) -> None:
