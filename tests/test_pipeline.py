@@ -180,11 +180,16 @@ def train_reporting_norms(strategy, ctx) -> dict[str, object]:
     return result
 
 
+def recomputing(strategy: sg.Strategy) -> sg.Strategy:
+    return sg.with_activation_checkpointing(strategy, sg.every_module_of(torch.nn.Linear))
+
+
 # (combinator, tolerance): bf16's rounding depends on how the batch is split.
 COMBINED = {
     "clip-2": (clipped_to_2, 1e-5),
     "clip-inf": (clipped_to_inf, 1e-5),
     "bf16": (in_bf16, 2e-2),
+    "activation-checkpointing": (recomputing, 1e-5),
 }
 
 
