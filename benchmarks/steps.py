@@ -98,15 +98,19 @@ def contenders(
     *,
     wrap_by_hand: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
     write_step: Callable[[torch.nn.Module, torch.optim.Optimizer, torch.device], Step] = plain_step,
+    write_ours: Callable[
+        [sg.StrategyLike, sg.Context, torch.nn.Module, torch.optim.Optimizer], Step
+    ] = stratagem_step,
 ) -> tuple[Step, Step, Step]:
     """Steps on three copies of ``build()``: by hand, through ``strategy``, and by hand again.
 
     Returns ``(ours, plain, control)``. ``wrap_by_hand`` prepares the
     hand-written copies (default: move to the device); ``write_step`` writes
-    their step. The reference (plain) copy is built and prepared first, and
-    ours and the control after it in the same way: the order in which models
-    are allocated shifts their step time by a percent or two, and this way
-    it shifts both ratios alike, so the control shows it.
+    their step, ``write_ours`` the strategy's. The reference (plain) copy is
+    built and prepared first, and ours and the control after it in the same
+    way: the order in which models are allocated shifts their step time by a
+    percent or two, and this way it shifts both ratios alike, so the control
+    shows it.
     """
     plain_model, ours_model, control_model = copies(build, 3)
     prepare = wrap_by_hand or (lambda module: module.to(ctx.device))
@@ -114,7 +118,7 @@ def contenders(
     model = strategy.wrap(ours_model, ctx)
     control_model = prepare(control_model)
     return (
-        stratagem_step(strategy, ctx, model, sgd(model)),
+        write_ours(strategy, ctx, model, sgd(model)),
         write_step(plain_model, sgd(plain_model), ctx.device),
         write_step(control_model, sgd(control_model), ctx.device),
     )

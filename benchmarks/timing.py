@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import random
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -91,3 +92,29 @@ def fixed_threads(threads: int = THREADS) -> Iterator[None]:
     finally:
         torch.set_num_threads(before)
         torch.set_flush_denormal(False)
+
+
+def bootstrap_median(
+    values: Sequence[float], *, draws: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """A 95 % percentile-bootstrap interval of the median of ``values``."""
+    generator = random.Random(seed)
+    medians = sorted(
+        statistics.median(generator.choices(values, k=len(values))) for _ in range(draws)
+    )
+    return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
+
+
+def rotate(
+    blocks: Sequence[Callable[[], float]], *, rounds: int, warmup: int = 2
+) -> list[list[float]]:
+    """Time every block once per round, the order rotating by one each round, after ``warmup``."""
+    for _ in range(warmup):
+        for block in blocks:
+            block()
+    times: list[list[float]] = [[] for _ in blocks]
+    for index in range(rounds):
+        shift = index % len(blocks)
+        for which in [*range(shift, len(blocks)), *range(shift)]:
+            times[which].append(blocks[which]())
+    return times

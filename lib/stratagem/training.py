@@ -78,8 +78,13 @@ def check_optimizer(optimizer: object, function: str) -> None:
     Raises:
         UsageError: it lacks ``step``, ``zero_grad`` or ``param_groups``.
     """
-    can_step = all(callable(getattr(optimizer, name, None)) for name in ("step", "zero_grad"))
-    ok = can_step and hasattr(optimizer, "param_groups")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return  # the common case in one test: its __init__ sets param_groups
+    ok = (
+        callable(getattr(optimizer, "step", None))
+        and callable(getattr(optimizer, "zero_grad", None))
+        and hasattr(optimizer, "param_groups")
+    )
     hint = "; the arguments are (optimizer, module, ctx)"
     require(ok, f"{function}: 'optimizer'", "a torch.optim.Optimizer", optimizer, hint=hint)
 
@@ -101,6 +106,12 @@ def move_batch(batch: Any, device: torch.device) -> Any:
     # A plain tensor first, without a walk: this runs on every step.
     if isinstance(batch, torch.Tensor):
         return batch if batch.device == device else _moved(batch, device)
+    if type(batch) is tuple:  # the usual (inputs, targets), already there: kept as it is
+        for part in batch:
+            if not isinstance(part, torch.Tensor) or part.device != device:
+                break
+        else:
+            return batch
     return map_tensors(lambda t: t if t.device == device else _moved(t, device), batch)
 
 
@@ -150,10 +161,12 @@ def step(
         UsageError: ``module`` is not a module, ``forward`` not callable, ``ctx``
             not a `Context`, or a tensor of the batch cannot be moved to the device.
     """
-    check_module(module, "step")
-    check_context(ctx, "step")
-    what = "None or a function forward(module, batch)"
-    require(forward is None or callable(forward), "step: 'forward'", what, forward)
+    # Every step runs this: one test for the common case; the checks and their messages after.
+    ok = forward is None or callable(forward)
+    if not (ok and isinstance(module, torch.nn.Module) and isinstance(ctx, Context)):
+        check_module(module, "step")
+        check_context(ctx, "step")
+        require(ok, "step: 'forward'", "None or a function forward(module, batch)", forward)
     batch = move_batch(batch, ctx.device)
     return module(batch) if forward is None else forward(module, batch)
 
@@ -175,7 +188,7 @@ def update(optimizer: torch.optim.Optimizer, module: torch.nn.Module, ctx: Conte
     Raises:
         UsageError: ``optimizer`` cannot step, or ``ctx`` is not a `Context`.
     """
-    check_optimizer(optimizer, "update")
+    check_optimizer(optimizer, "update")  # one isinstance for a torch optimizer
     check_context(ctx, "update")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -55,6 +55,10 @@ def map_leaves(fn: Callable[[T], Any], tree: Any, kind: type[T]) -> Any:
     """
     if isinstance(tree, kind):
         return fn(tree)
+    shape = type(tree)
+    if shape is tuple or shape is list:  # the usual batch: its leaves mapped without a call each
+        mapped = [fn(v) if isinstance(v, kind) else map_leaves(fn, v, kind) for v in tree]
+        return tuple(mapped) if shape is tuple else mapped
     if isinstance(tree, tuple):
         mapped = [map_leaves(fn, v, kind) for v in tree]
         return type(tree)(*mapped) if hasattr(tree, "_fields") else tuple(mapped)

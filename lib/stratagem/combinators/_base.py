@@ -114,6 +114,11 @@ class OptimizerHook:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    @property
+    def param_groups(self) -> Any:
+        """The wrapped optimizer's; read by every update's check, so not via ``__getattr__``."""
+        return self.optimizer.param_groups
+
     def __getattr__(self, name: str) -> Any:
         # param_groups, state, state_dict, ...: the wrapped optimizer's own.
         if name in ("optimizer", "on_step"):  # not yet set (unpickling): no recursion

@@ -32,11 +32,17 @@ class ClipState:
     """Per-run clipping state in ``ctx.extras["clipping"]``.
 
     Attributes:
-        last_norm: the total gradient norm before the last clip (by-norm clipping),
-            or None before the first step.
+        norm: the total gradient norm before the last clip (by-norm clipping), as
+            the tensor the clipper returned, or None before the first step.
     """
 
-    last_norm: float | None = None
+    # A tensor, not a float: float() on every step would wait for the device each time.
+    norm: torch.Tensor | None = None
+
+    @property
+    def last_norm(self) -> float | None:
+        """``norm`` as a float (None before the first step)."""
+        return None if self.norm is None else float(self.norm)
 
 
 @attrs.frozen
@@ -56,9 +62,12 @@ def _parameters(optimizer: Any, module: object) -> list[torch.Tensor]:
     held = [p for group in root_optimizer(optimizer).param_groups for p in group["params"]]
     if not isinstance(module, torch.nn.Module):
         return held
-    ids = {id(p) for p in held}
-    ordered = [p for p in module.parameters() if id(p) in ids]
-    seen = {id(p) for p in ordered}
+    in_module = list(module.parameters())
+    if list(map(id, in_module)) == list(map(id, held)):  # the usual case, compared in one go
+        return held
+    ids = set(map(id, held))
+    ordered = [p for p in in_module if id(p) in ids]
+    seen = set(map(id, ordered))
     return ordered + [p for p in held if id(p) not in seen]
 
 
@@ -88,7 +97,7 @@ class ClipUpdate:
                 norm = clip_norm_(parameters, self.max_norm, self.norm_type, split_over)
                 state = ctx.extras.get("clipping")
                 if isinstance(state, ClipState):
-                    state.last_norm = float(norm)
+                    state.norm = norm
             if self.max_value is not None:
                 torch.nn.utils.clip_grad_value_(parameters, self.max_value)
             return step()
