@@ -4,8 +4,9 @@ All are stratagem strategies, timed in one launch on the same process group
 and the same medium model, blocks of steps interleaved round by round (the
 order rotating every round). Three contenders per rank:
 
-- ``allreduce_grads()`` as it is: its gradient hooks all-reduce buckets as
-  backward produces them, ``update`` waits for them (target ≤ 1.01 x ddp);
+- ``allreduce_grads()`` as it is: its gradient hooks all-reduce buckets
+  (buffers allocated once) as backward produces them, ``update`` sends the
+  last with the flags in its tail and waits for all (target ≤ 1.01 x ddp);
 - the same strategy as it was before the hooks (``update`` all-reduces every
   bucket after backward, `average_gradients`), kept here as the baseline;
 - ``ddp()``, which overlaps its all-reduce with backward.
@@ -17,10 +18,8 @@ on each other's gradients.
 
 from __future__ import annotations
 
-import random
-import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import attrs
@@ -29,7 +28,7 @@ import torch
 import stratagem as sg
 from benchmarks import steps
 from benchmarks.report import Case, Result, compare
-from benchmarks.timing import THREADS, fixed_threads
+from benchmarks.timing import THREADS, bootstrap_median, fixed_threads, rotate
 from stratagem import training
 from stratagem.strategies.allreduce import average_gradients
 
@@ -56,32 +55,6 @@ class AfterBackward:
     ) -> None:
         average_gradients(module, ctx)
         training.update(optimizer, module, ctx)
-
-
-def bootstrap_median(
-    values: Sequence[float], *, draws: int = 2000, seed: int = 0
-) -> tuple[float, float]:
-    """A 95 % percentile-bootstrap interval of the median of ``values``."""
-    generator = random.Random(seed)
-    medians = sorted(
-        statistics.median(generator.choices(values, k=len(values))) for _ in range(draws)
-    )
-    return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
-
-
-def rotate(
-    blocks: Sequence[Callable[[], float]], *, rounds: int, warmup: int = 2
-) -> list[list[float]]:
-    """Time every block once per round, the order rotating by one each round, after ``warmup``."""
-    for _ in range(warmup):
-        for block in blocks:
-            block()
-    times: list[list[float]] = [[] for _ in blocks]
-    for index in range(rounds):
-        shift = index % len(blocks)
-        for which in [*range(shift, len(blocks)), *range(shift)]:
-            times[which].append(blocks[which]())
-    return times
 
 
 def on_rank(strategy: sg.StrategyLike, ctx: sg.Context, config: Config) -> list[Case]:

@@ -4,17 +4,19 @@ No wrapper around the model. ``wrap`` moves it to the device and gives every
 rank rank 0's parameters and buffers; ``update`` averages the gradients over
 ranks in fused buckets (optionally cast to 16 bits for the wire) and steps
 the optimizer. From the second ``update`` on, the buckets are sent *during*
-backward, as Horovod does: the first ``update`` puts a post-accumulate-grad
-hook on every parameter (`GradientHooks`), a bucket is all-reduced
-asynchronously as soon as backward has produced all of its gradients, and
-``update`` waits for them before the step. ``no_sync`` (`pause_hooks`)
-holds the hooks back, so that accumulation sends once, after the last
-micro-batch. Whatever the hooks sent, ``update`` checks that every gradient
-is still the one that was sent; if not (a second backward without
-``no_sync``, a gradient changed in place), it sends them again after backward,
-so the result is always that of averaging the gradients ``update`` finds.
-Setup, collectives, sharding, checkpoints and teardown are ``ddp()``'s own
-functions.
+backward, as Horovod does: the first ``update`` allocates each bucket's
+buffer once and puts a post-accumulate-grad hook on the parameters
+(`GradientHooks`); a bucket is all-reduced asynchronously as soon as
+backward has produced all of its gradients, except the last, which
+``update`` sends with a tail of flags (which parameters have a gradient on
+any rank, and whether any rank's changed after it was sent), so that the
+world agrees on both without another all-reduce; then it waits for all.
+``no_sync`` (`pause_hooks`) holds the hooks back, so that accumulation sends
+once, after the last micro-batch. If a gradient changed after it was sent
+(a second backward without ``no_sync``, a change in place), ``update``
+sends them all again, so the result is always that of averaging the
+gradients ``update`` finds. Setup, collectives, sharding, checkpoints and
+teardown are ``ddp()``'s own functions.
 
 ``allreduce_grads_spawn(**options)`` is the same record with ``launch=Spawn()``.
 """
@@ -40,14 +42,16 @@ from stratagem.replicas import (
     check_same_layout,
 )
 from stratagem.sharding import shard_loader
-from stratagem.strategies.allreduce_hooks import (
+from stratagem.strategies.allreduce_buckets import (
     COMPRESSIONS,
     FIRST_BUCKET_MB,
     Compression,
-    GradientHooks,
     average_gradients,
-    average_gradients_overlapped,
     backward_buckets,
+)
+from stratagem.strategies.allreduce_hooks import (
+    GradientHooks,
+    average_gradients_overlapped,
     pause_hooks,
 )
 from stratagem.strategy import Strategy
@@ -103,7 +107,10 @@ class AllreduceThenStep:
     """Update field: average gradients over ranks, then ``training.update``.
 
     Averaging is `average_gradients_overlapped`: from the second call on, it
-    waits for the buckets the module's gradient hooks sent during backward.
+    sends the last bucket and waits for those the module's gradient hooks sent
+    during backward. The optimizer then steps on gradients that are views of
+    the buckets' buffers (full-precision wire), as DDP's with
+    ``gradient_as_bucket_view``.
 
     Attributes:
         bucket_mb: most MiB fused into one all-reduce, per dtype.
@@ -139,8 +146,10 @@ def allreduce_grads(
     (``step`` is the same plain ``training.step``: neither needs a step of its
     own). The first ``update`` attaches post-accumulate-grad hooks to the
     module's parameters (`GradientHooks`); from then on a bucket is sent as
-    soon as backward has produced its gradients, ``no_sync`` holds the hooks
-    back, and ``update`` waits for the buckets before the step. It can halve
+    soon as backward has produced its gradients (the last by ``update``, with
+    the flags that replace a separate all-reduce), ``no_sync`` holds the hooks
+    back, and ``update`` waits for the buckets before the step. The buckets'
+    buffers are allocated once and kept, as DDP keeps its own. It can halve
     the bytes with ``compression``. It runs in place, in ranks that torchrun or
     SLURM started; `allreduce_grads_spawn` starts them here.
 
