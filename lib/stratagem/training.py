@@ -178,7 +178,8 @@ def backward(loss: torch.Tensor, module: torch.nn.Module, ctx: Context) -> None:
         UsageError: ``loss`` is not a one-element tensor that requires grad, or
             ``ctx`` is not a `Context`.
     """
-    check_context(ctx, "backward")
+    if ctx.__class__ is not Context:  # one test in the usual case (every step runs this)
+        check_context(ctx, "backward")
     torch.autograd.backward(check_loss(loss, "backward"))
 
 
@@ -188,8 +189,10 @@ def update(optimizer: torch.optim.Optimizer, module: torch.nn.Module, ctx: Conte
     Raises:
         UsageError: ``optimizer`` cannot step, or ``ctx`` is not a `Context`.
     """
-    check_optimizer(optimizer, "update")  # one isinstance for a torch optimizer
-    check_context(ctx, "update")
+    # One test in the usual case (every step runs this); the checks and their messages after.
+    if not (isinstance(optimizer, torch.optim.Optimizer) and ctx.__class__ is Context):
+        check_optimizer(optimizer, "update")
+        check_context(ctx, "update")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 

@@ -33,7 +33,7 @@ from stratagem import checkpoint, collectives, training
 from stratagem.arrivals import DEFAULT_TIMEOUT
 from stratagem.collectives import is_distributed
 from stratagem.devices import DeviceSpec, check_device_spec
-from stratagem.env import Context
+from stratagem.env import Context, check_context
 from stratagem.launching import Spawn, in_place, spawned
 from stratagem.process_group import DEFAULT_JOIN_TIMEOUT, JoinProcessGroup, leave_process_group
 from stratagem.replicas import (
@@ -120,14 +120,20 @@ class AllreduceThenStep:
     bucket_mb: float = attrs.field(default=25.0, validator=_BUCKET_MB)
     compression: Compression | None = attrs.field(default=None, validator=_COMPRESSION)
 
-    def __call__(
-        self, optimizer: torch.optim.Optimizer, module: torch.nn.Module, ctx: Context
-    ) -> None:
-        training.check_optimizer(optimizer, "update")  # before any collective: fail alike
-        average_gradients_overlapped(
-            module, ctx, bucket_mb=self.bucket_mb, compression=self.compression
-        )
-        training.update(optimizer, module, ctx)
+    def __call__(self, optimizer: torch.optim.Optimizer, module: object, ctx: Context) -> None:
+        # Before any collective, so that every rank fails alike; one test in the usual case (a
+        # step runs this), the checks and their messages after.
+        usual = isinstance(optimizer, torch.optim.Optimizer) and ctx.__class__ is Context
+        if not (usual and isinstance(module, torch.nn.Module)):
+            training.check_optimizer(optimizer, "update")
+            module = training.check_module(module, "update")
+            check_context(ctx, "update")
+        if is_distributed(ctx):  # a world of one has nothing to average
+            average_gradients_overlapped(
+                module, ctx, bucket_mb=self.bucket_mb, compression=self.compression
+            )
+        optimizer.step()  # training.update, whose checks have just passed
+        optimizer.zero_grad(set_to_none=True)
 
 
 def allreduce_grads(
