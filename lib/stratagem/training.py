@@ -178,9 +178,13 @@ def backward(loss: torch.Tensor, module: torch.nn.Module, ctx: Context) -> None:
         UsageError: ``loss`` is not a one-element tensor that requires grad, or
             ``ctx`` is not a `Context`.
     """
-    if ctx.__class__ is not Context:  # one test in the usual case (every step runs this)
+    # One test in the usual case (every step runs this); the checks and their messages after.
+    if not (ctx.__class__ is Context and loss.__class__ is torch.Tensor and loss.requires_grad):
         check_context(ctx, "backward")
-    torch.autograd.backward(check_loss(loss, "backward"))
+        check_loss(loss, "backward")
+    elif loss.numel() != 1:
+        check_loss(loss, "backward")  # raises, saying how to reduce it
+    torch.autograd.backward(loss)
 
 
 def update(optimizer: torch.optim.Optimizer, module: torch.nn.Module, ctx: Context) -> None:

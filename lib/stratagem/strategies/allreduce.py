@@ -128,7 +128,8 @@ class AllreduceThenStep:
             training.check_optimizer(optimizer, "update")
             module = training.check_module(module, "update")
             check_context(ctx, "update")
-        if is_distributed(ctx):  # a world of one has nothing to average
+        # is_distributed(ctx), without its two calls: a world of one has nothing to average.
+        if ctx.group is not None and ctx.env.world_size > 1:
             average_gradients_overlapped(
                 module, ctx, bucket_mb=self.bucket_mb, compression=self.compression
             )
