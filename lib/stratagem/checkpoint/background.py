@@ -25,7 +25,7 @@ import attrs
 import torch.distributed as dist
 
 from stratagem import pending
-from stratagem.checkpoint import dcp_files, directory
+from stratagem.checkpoint import directory
 from stratagem.checkpoint.rank_zero import on_main
 from stratagem.env import Context
 from stratagem.errors import CheckpointError, UsageError, describe
@@ -146,6 +146,8 @@ def start(
     Raises:
         CheckpointError: the state could not be staged (nothing is left behind).
     """
+    from stratagem.checkpoint import dcp_files  # imports DCP (half a second): only when saving
+
     side = _side_context(ctx)
     handle = PendingSave(target)
     directory.stage_hook("staging")
