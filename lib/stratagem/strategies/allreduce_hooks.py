@@ -23,8 +23,6 @@ from stratagem.collectives import is_distributed
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError
 from stratagem.strategies.allreduce_buckets import (
-    COMPRESSIONS,
-    FIRST_BUCKET_MB,
     WIRE_DTYPES,
     Bucket,
     Compression,
@@ -34,16 +32,7 @@ from stratagem.strategies.allreduce_buckets import (
     make_buckets,
 )
 
-__all__ = [
-    "COMPRESSIONS",
-    "FIRST_BUCKET_MB",
-    "Compression",
-    "GradientHooks",
-    "average_gradients",
-    "average_gradients_overlapped",
-    "backward_buckets",
-    "pause_hooks",
-]
+__all__ = ["GradientHooks", "average_gradients_overlapped", "pause_hooks"]
 
 
 @attrs.define(eq=False)
@@ -74,7 +63,10 @@ class GradientHooks:
     Attributes:
         params: the module's parameters that require grad, in module order.
         plan: `backward_buckets` of ``params``.
-        key: what the hooks were made for (bucket size, compression, group).
+        bucket_mb: the bucket size the plan was made for.
+        compression: the wire the buffers were made for.
+        world_size: the ranks each gradient is divided by.
+        group: the process group the buckets are sent over.
         buckets: a `Bucket` per bucket of the plan, buffers allocated once.
         sent: how many buckets (the first of the plan) are in flight.
         paused: how many `pause_hooks` contexts are open; while any is, hooks send nothing.
@@ -82,7 +74,8 @@ class GradientHooks:
 
     params: list[torch.Tensor]
     plan: list[list[int]]
-    key: tuple[float, Compression | None, Any]
+    bucket_mb: float
+    compression: Compression | None
     world_size: int
     group: Any
     buckets: list[Bucket]
@@ -111,7 +104,8 @@ class GradientHooks:
         hooks = cls(
             params=params,
             plan=plan,
-            key=(bucket_mb, compression, ctx.group),
+            bucket_mb=bucket_mb,
+            compression=compression,
             world_size=ctx.world_size,
             group=ctx.group,
             buckets=make_buckets(params, plan, wire),
@@ -120,6 +114,10 @@ class GradientHooks:
             register = params[index].register_post_accumulate_grad_hook
             hooks.handles.append(register(hooks.hook(index)))  # type: ignore[no-untyped-call]
         return hooks
+
+    def made_for(self, bucket_mb: float, compression: Compression | None, group: Any) -> bool:
+        """Whether these hooks were made for these options and this group."""
+        return (self.bucket_mb, self.compression, self.group) == (bucket_mb, compression, group)
 
     def hook(self, index: int) -> Any:
         # Held weakly: a parameter holds its hooks where the garbage collector cannot look, so
@@ -201,7 +199,7 @@ class GradientHooks:
         anywhere = flags.tolist()
         if anywhere[-1] != 0:  # some rank's gradients are not what it sent: average them again
             self.reset()
-            average_gradients(module, ctx, bucket_mb=self.key[0], compression=self.key[1])
+            average_gradients(module, ctx, bucket_mb=self.bucket_mb, compression=self.compression)
             return
         with torch.no_grad():
             for bucket in self.buckets:
@@ -272,7 +270,7 @@ def average_gradients_overlapped(
     owner = training.original_module(module)
     params: list[torch.Tensor] = [p for p in owner.parameters() if p.requires_grad]
     hooks = _HOOKS.get(owner)
-    fits = hooks is not None and hooks.key == (bucket_mb, compression, ctx.group)
+    fits = hooks is not None and hooks.made_for(bucket_mb, compression, ctx.group)
     if hooks is not None and fits and len(hooks.params) == len(params):
         fits = all(a is b for a, b in zip(hooks.params, params, strict=True))
     if hooks is None or not fits:
