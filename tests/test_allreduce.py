@@ -308,6 +308,20 @@ def released_probe(strategy, ctx):
     return [ref() is not None for ref in watched]
 
 
+def unfrozen_probe(strategy, ctx):
+    """A parameter frozen for the first updates (the hooks are made without it), then trained."""
+    model = strategy.wrap(make_model(), ctx)
+    first = next(model.parameters())
+    first.requires_grad_(False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step, batch in enumerate(batches()):
+        if step == 2:
+            first.requires_grad_(True)
+        strategy.backward(mean_loss(model, half(batch, ctx)), model, ctx)
+        strategy.update(optimizer, model, ctx)
+    return [p.detach().clone() for p in model.parameters()]
+
+
 def accumulate_probe(strategy, ctx):
     """sg.accumulate over allreduce_grads(): its no_sync holds the hooks back on all but the last."""
     strategy = sg.accumulate(with_update(strategy, bucket_mb=1e-6), MICRO)  # one per parameter
@@ -376,6 +390,7 @@ def on_ranks(strategy, ctx):
         "accumulate-probe": accumulate_probe(strategy, ctx),
         "buffer-probe": buffer_probe(strategy, ctx),
         "released": released_probe(strategy, ctx),
+        "unfrozen": unfrozen_probe(strategy, ctx),
         "overlap-runs": overlap_runs(strategy, ctx),
     }
 
@@ -661,6 +676,13 @@ def test_dropping_model_and_optimizer_frees_parameters_buffers_and_hooks(ranks):
     # garbage collector cannot see: every wrapped model stayed alive (250 MB over 15 wraps).
     for rank, result in enumerate(ranks):
         assert result["released"] == [False] * 5, f"rank {rank}: still alive {result['released']}"
+
+
+@pytest.mark.slow
+def test_a_parameter_unfrozen_after_the_hooks_were_made_is_averaged_too(ranks):
+    # The hooks were once kept when the count of parameters requiring grad changed: the unfrozen
+    # one was never averaged, and the ranks' weights drifted apart on different halves.
+    assert_params_close(ranks[0]["unfrozen"], ranks[1]["unfrozen"], "unfrozen", **EXACT)
 
 
 @pytest.mark.slow

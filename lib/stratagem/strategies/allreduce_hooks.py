@@ -270,9 +270,12 @@ def average_gradients_overlapped(
     owner = training.original_module(module)
     params: list[torch.Tensor] = [p for p in owner.parameters() if p.requires_grad]
     hooks = _HOOKS.get(owner)
-    fits = hooks is not None and hooks.made_for(bucket_mb, compression, ctx.group)
-    if hooks is not None and fits and len(hooks.params) == len(params):
-        fits = all(a is b for a, b in zip(hooks.params, params, strict=True))
+    fits = (
+        hooks is not None
+        and hooks.made_for(bucket_mb, compression, ctx.group)
+        and len(hooks.params) == len(params)  # a parameter frozen or unfrozen since: new hooks
+        and all(a is b for a, b in zip(hooks.params, params, strict=True))
+    )
     if hooks is None or not fits:
         if hooks is not None:
             hooks.detach()
