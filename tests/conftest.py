@@ -15,3 +15,16 @@ def processes():
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "stratagem", "stratagem.checkpoint.dcp_files"])
     return context
+
+
+@pytest.fixture(scope="session")
+def nccl_like():
+    """A strategy whose world's default group has no CPU backend, as under NCCL.
+
+    On a CPU-only torch, ``backend="cuda:gloo"`` maps only CUDA tensors to gloo: every CPU
+    tensor or object that crosses the world must take the CPU group setup adds beside it.
+    Modules cannot train in it (DDP's CPU tensors are refused), but every CPU-side path runs.
+    """
+    import stratagem as sg
+
+    return sg.ddp(device="cpu", backend="cuda:gloo")

@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 
 from stratagem.arrivals import arrive
-from stratagem.env import Context, check_context
+from stratagem.env import Context, check_context, host_group
 from stratagem.errors import UsageError, describe
 from stratagem.fields import REDUCE_OPS, ReduceOp
 
-__all__ = ["barrier", "broadcast", "expect_everyone", "gather", "reduce"]
+__all__ = ["barrier", "broadcast", "expect_everyone", "gather", "group_for", "reduce"]
 
 _TORCH_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -68,6 +68,15 @@ def _check_op(op: object) -> ReduceOp:
     return op
 
 
+def group_for(tensor: torch.Tensor, ctx: Context) -> dist.ProcessGroup | None:
+    """Return the group that can carry ``tensor``: a CPU tensor goes over `host_group`.
+
+    Under NCCL a CPU tensor cannot travel over the world's group; it takes
+    the gloo group beside it, so a loss moved to the CPU can still be reduced.
+    """
+    return host_group(ctx) if tensor.device.type == "cpu" else ctx.group
+
+
 def is_distributed(ctx: Context) -> bool:
     """Whether ``ctx`` is a world of several ranks with a process group."""
     return ctx.group is not None and ctx.world_size > 1
@@ -113,7 +122,7 @@ def reduce(tensor: torch.Tensor, op: ReduceOp, ctx: Context) -> torch.Tensor:
     if not is_distributed(ctx):
         return tensor.clone()
     result = _to_wire(tensor)
-    dist.all_reduce(result, op=_TORCH_OPS[op], group=ctx.group)
+    dist.all_reduce(result, op=_TORCH_OPS[op], group=group_for(result, ctx))
     if op == "mean":
         result /= ctx.world_size
     return result.to(tensor.dtype)
@@ -151,15 +160,16 @@ def gather(tensor: torch.Tensor, ctx: Context) -> torch.Tensor:
     if tensor.dtype not in _DTYPES:
         raise UsageError(f"gather: dtype {tensor.dtype} is not supported by gather.")
     # Exchange (ndim, dtype) first, then the shapes, so mismatches are caught before data moves.
+    group = group_for(tensor, ctx)
     meta = torch.tensor([tensor.dim(), _DTYPES.index(tensor.dtype)], device=tensor.device)
     metas = [torch.empty_like(meta) for _ in range(ctx.world_size)]
-    dist.all_gather(metas, meta, group=ctx.group)
+    dist.all_gather(metas, meta, group=group)
     dims = [int(m[0]) for m in metas]
     dtypes = [_DTYPES[int(m[1])] for m in metas]
     if len(set(dims)) == 1 and tensor.dim() > 0:
         shape = torch.tensor(tensor.shape, device=tensor.device)
         shape_list = [torch.empty_like(shape) for _ in range(ctx.world_size)]
-        dist.all_gather(shape_list, shape, group=ctx.group)
+        dist.all_gather(shape_list, shape, group=group)
         shapes = [tuple(int(d) for d in s) for s in shape_list]
     else:
         shapes = [tuple(tensor.shape) if d == tensor.dim() else (-1,) * d for d in dims]
@@ -170,7 +180,7 @@ def gather(tensor: torch.Tensor, ctx: Context) -> torch.Tensor:
         )
     wire = _to_wire(tensor).contiguous()
     out = [torch.empty_like(wire) for _ in range(ctx.world_size)]
-    dist.all_gather(out, wire, group=ctx.group)
+    dist.all_gather(out, wire, group=group)
     return torch.stack(out).to(tensor.dtype)
 
 
@@ -196,7 +206,7 @@ def broadcast(obj: Any, ctx: Context, *, src: int = 0) -> Any:
     if ctx.rank == src:
         is_tensor = isinstance(obj, torch.Tensor)
         header[0] = ("tensor", obj.shape, obj.dtype) if is_tensor else ("object", obj)
-    dist.broadcast_object_list(header, src=src, group=ctx.group)
+    dist.broadcast_object_list(header, src=src, group=host_group(ctx))
     if header[0][0] == "object":
         return header[0][1]
     _, shape, dtype = header[0]
@@ -204,7 +214,7 @@ def broadcast(obj: Any, ctx: Context, *, src: int = 0) -> Any:
         data = _to_wire(obj.detach()).to(ctx.device)
     else:
         data = torch.empty(shape, dtype=_WIRE_DTYPES.get(dtype, dtype), device=ctx.device)
-    dist.broadcast(data, src=src, group=ctx.group)
+    dist.broadcast(data, src=src, group=group_for(data, ctx))
     return data.to(dtype)
 
 
@@ -231,4 +241,4 @@ def barrier(ctx: Context) -> None:
     """
     if is_distributed(check_context(ctx, "barrier")):
         expect_everyone(ctx, "barrier")
-        dist.barrier(group=ctx.group)
+        dist.barrier(group=host_group(ctx))

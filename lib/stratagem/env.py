@@ -35,6 +35,7 @@ __all__ = [
     "check_context",
     "check_env",
     "detect_env",
+    "host_group",
 ]
 
 MODEL_PARALLEL_DIMS = ("tp", "pp")
@@ -150,6 +151,12 @@ _CONTEXT_GROUP = instance_of(
     "a torch.distributed.ProcessGroup",
     optional="None (a world of one)",
 )
+_CONTEXT_CPU_GROUP = instance_of(
+    "Context.{name}",
+    dist.ProcessGroup,
+    "a torch.distributed.ProcessGroup with a CPU backend",
+    optional="None (group carries CPU tensors itself)",
+)
 _CONTEXT_ARRIVALS = instance_of(
     "Context.{name}",
     Arrivals,
@@ -166,6 +173,10 @@ class Context:
     `setup` returns it; every other field of a strategy receives it. It is
     frozen; per-run objects that combinators need (a ``GradScaler``, a device
     mesh) live in ``extras``, a read-only mapping added to with `with_extras`.
+    ``cpu_group`` carries CPU tensors and pickled objects (checkpoint planning,
+    results, flags) where ``group`` cannot: under NCCL alone, a gloo group over
+    the same ranks that setup made; ``None`` when ``group`` serves the CPU too
+    (gloo, ``"cpu:gloo,cuda:nccl"``). `host_group` picks the right one.
     ``arrivals`` lets `save`, `load` and `barrier` find out within a bounded
     time that some ranks did not call them (`stratagem.arrivals`); a Context
     built by hand has none, and those calls then wait as the backend does.
@@ -180,6 +191,9 @@ class Context:
     group: dist.ProcessGroup | None = attrs.field(default=None, validator=_CONTEXT_GROUP)
     extras: Mapping[str, Any] = attrs.field(factory=dict, converter=_read_only)
     arrivals: Arrivals | None = attrs.field(default=None, validator=_CONTEXT_ARRIVALS, repr=False)
+    cpu_group: dist.ProcessGroup | None = attrs.field(
+        default=None, validator=_CONTEXT_CPU_GROUP, repr=False
+    )
 
     def with_extras(self, **extras: Any) -> Context:
         """Return a copy with more per-run state (a grad scaler, a mesh, ...), keyed by name.
@@ -447,3 +461,13 @@ def detect_env(environ: Mapping[str, str]) -> Env:
     if _is_slurm_batch(environ):
         return _slurm(environ)
     return Env()
+
+
+def host_group(ctx: Context) -> dist.ProcessGroup | None:
+    """Return the group that carries CPU tensors and objects in ``ctx``'s world.
+
+    A world joined over NCCL alone has no CPU backend in its default group:
+    every collective on CPU data (checkpoint planning, gathered results, a
+    preemption flag) goes over ``ctx.cpu_group`` instead.
+    """
+    return ctx.group if ctx.cpu_group is None else ctx.cpu_group

@@ -27,7 +27,7 @@ import attrs
 import torch.distributed as dist
 
 from stratagem._processes import SpawnedWorld, pack, rendezvous
-from stratagem.env import detect_env
+from stratagem.env import detect_env, host_group
 from stratagem.errors import CombinatorError, LaunchError, UsageError, describe
 from stratagem.strategy import Strategy, StrategyLike
 from stratagem.validators import positive_number
@@ -147,7 +147,7 @@ def in_place(
         if ctx.world_size == 1 or ctx.group is None:
             results = [result]
         else:
-            dist.all_gather_object(results, result, group=ctx.group)
+            dist.all_gather_object(results, result, group=host_group(ctx))
     finally:
         strategy.teardown(ctx)
     return results

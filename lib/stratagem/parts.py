@@ -64,8 +64,10 @@ def everyones(mine: Iterable[str], ctx: Context) -> set[str]:
         return set(keys)
     import torch.distributed as dist
 
+    from stratagem.env import host_group
+
     everyone: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(everyone, keys, group=ctx.group)
+    dist.all_gather_object(everyone, keys, group=host_group(ctx))
     return {key for theirs in everyone for key in theirs}
 
 
@@ -75,8 +77,10 @@ def everyones_ties(mine: dict[str, dict[str, str]], ctx: Context) -> dict[str, d
         return mine
     import torch.distributed as dist
 
+    from stratagem.env import host_group
+
     everyone: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(everyone, mine, group=ctx.group)
+    dist.all_gather_object(everyone, mine, group=host_group(ctx))
     merged: dict[str, dict[str, str]] = {}
     for theirs in everyone:
         for name, aliases in theirs.items():

@@ -28,13 +28,15 @@ from stratagem.devices import DeviceSpec, resolve_device
 from stratagem.env import Context, Env, check_context, check_env
 from stratagem.errors import LaunchError, UsageError, describe
 from stratagem.launching import MAX_SECONDS
-from stratagem.validators import choice, positive_number
+from stratagem.validators import positive_number
 
 __all__ = [
     "BACKENDS",
     "DEFAULT_JOIN_TIMEOUT",
     "NEVER_JOINED",
     "JoinProcessGroup",
+    "check_backend",
+    "default_backend",
     "leave",
     "leave_process_group",
 ]
@@ -80,7 +82,82 @@ def _positive_timeout(
         raise UsageError(_timeout_range(f"{value.total_seconds()} seconds"))
 
 
-_BACKEND = choice("'{name}'", BACKENDS, optional="None (gloo on CPU, nccl on CUDA)")
+def _backend_names() -> tuple[str, ...]:
+    # torch's list includes backends registered at run time (Backend.register_backend).
+    names = [str(n) for n in getattr(dist.Backend, "backend_list", ()) if n != "undefined"]
+    return tuple(dict.fromkeys([*BACKENDS, *names]))
+
+
+def check_backend(value: object, argument: str = "backend") -> str | None:
+    """Return ``value`` if `init_process_group` would take it as a backend string.
+
+    Accepted: ``None`` (gloo on the CPU; ``"cpu:gloo,cuda:nccl"`` on CUDA), a
+    backend name (``"gloo"``, ``"nccl"``, ...), or torch's device mapping, comma
+    separated ``device:backend`` pairs (``"cpu:gloo,cuda:nccl"``, ``"cuda:gloo"``).
+
+    Raises:
+        UsageError: anything else, naming the argument, the value and the forms.
+    """
+    if value is None:
+        return None
+    names = _backend_names()
+    forms = (
+        f"None, one of {', '.join(map(repr, names))}, or device:backend pairs such as "
+        "'cpu:gloo,cuda:nccl'"
+    )
+    if not isinstance(value, str):
+        raise UsageError(f"'{argument}' must be {forms} (got {describe(value)}).")
+    text = value.strip().lower()
+    if ":" not in text:
+        if text in names:
+            return text
+        raise UsageError(f"'{argument}' must be {forms} (got {describe(value)}).")
+    devices: list[str] = []
+    pairs: list[str] = []
+    for pair in text.split(","):
+        device, _, name = (part.strip() for part in pair.partition(":"))
+        if name not in names or not device:
+            raise UsageError(
+                f"'{argument}': {pair.strip()!r} in {value!r} is not a device:backend pair "
+                f"with a backend among {', '.join(map(repr, names))}; write e.g. "
+                "'cpu:gloo,cuda:nccl'."
+            )
+        try:
+            torch.device(device)
+        except RuntimeError:
+            raise UsageError(
+                f"'{argument}': {device!r} in {value!r} is not a device type; write e.g. "
+                "'cpu:gloo,cuda:nccl'."
+            ) from None
+        if device in devices:
+            raise UsageError(
+                f"'{argument}': device {device!r} is mapped twice in {value!r}; give each "
+                "device type one backend."
+            )
+        devices.append(device)
+        pairs.append(f"{device}:{name}")
+    return ",".join(pairs)
+
+
+def default_backend(device: torch.device) -> str:
+    """Return the backend ``backend=None`` means on ``device``.
+
+    On CUDA it is torch's own default, NCCL for CUDA tensors with gloo beside
+    it for CPU ones, so checkpoints, results and flags need no group of their own.
+    """
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def _uses(backend: str, name: str) -> bool:
+    return name in (part.rpartition(":")[2] for part in backend.split(","))
+
+
+def _serves_cpu(group: dist.ProcessGroup) -> bool:
+    # Which device types a group's backends serve: DCP's async save asks the same question.
+    types = getattr(group, "_device_types", None)
+    return types is None or torch.device("cpu") in types
+
+
 _JOIN_TIMEOUT = positive_number(
     "'{name}'",
     unit="seconds",
@@ -112,7 +189,7 @@ class JoinProcessGroup:
     """
 
     device: DeviceSpec = "auto"
-    backend: str | None = attrs.field(default=None, validator=_BACKEND)
+    backend: str | None = attrs.field(default=None, converter=check_backend)
     timeout: timedelta = attrs.field(
         default=timedelta(minutes=30), converter=_to_timedelta, validator=_positive_timeout
     )
@@ -129,12 +206,18 @@ class JoinProcessGroup:
                 "ddp_spawn(), which picks one."
             )
         device = resolve_device(self.device, env.local_rank)
-        backend = self.backend or ("nccl" if device.type == "cuda" else "gloo")
-        if backend == "nccl" and (device.type != "cuda" or not dist.is_nccl_available()):
+        backend = self.backend or default_backend(device)
+        if backend == "nccl" and device.type != "cuda":
             raise UsageError(
                 f"setup: backend 'nccl' runs on CUDA devices only, but this rank's device is "
                 f"{str(device)!r} (CUDA available: {torch.cuda.is_available()}, NCCL built: "
                 f"{dist.is_nccl_available()}); use backend=None (gloo on the CPU) or 'gloo'."
+            )
+        if _uses(backend, "nccl") and not dist.is_nccl_available():
+            raise UsageError(
+                f"setup: backend {backend!r} needs NCCL, which this torch was built without "
+                f"(CUDA available: {torch.cuda.is_available()}); use backend=None (gloo on "
+                "the CPU) or 'gloo'."
             )
         if dist.is_initialized():
             raise LaunchError(
@@ -181,7 +264,12 @@ class JoinProcessGroup:
             if env.world_size > 1:
                 store.set_timeout(self.timeout)  # the store's later users wait as collectives do
         arrivals = Arrivals(PrefixStore(f"attempt_{attempt}", store), timeout=self.arrival_timeout)
-        return Context(env=env, device=device, group=dist.group.WORLD, arrivals=arrivals)
+        world = dist.group.WORLD
+        assert world is not None  # just initialised
+        # NCCL alone (or "cuda:gloo") carries no CPU tensor: checkpoints, results and flags then
+        # travel over a gloo group of the same ranks, made once here, as torchtitan does.
+        cpu_group = None if _serves_cpu(world) else dist.new_group(backend="gloo")
+        return Context(env=env, device=device, group=world, arrivals=arrivals, cpu_group=cpu_group)
 
 
 def _await_every_rank(store: Store, env: Env, timeout: timedelta) -> None:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch._C._nn import flatten_dense_tensors as flatten
 from torch._C._nn import unflatten_dense_tensors as unflatten
 
-from stratagem.collectives import broadcast, gather, is_distributed
+from stratagem.collectives import broadcast, gather, group_for, is_distributed
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError
 from stratagem.trees import leaves_in, map_leaves, map_tensors
@@ -67,7 +67,7 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], ctx: Context, src: int) -
             members = [tensors[i] for i in bucket]
             flat = flatten(members)
             # As bytes: a copy needs no arithmetic, and gloo lacks some dtypes (bool, int16).
-            dist.broadcast(flat.view(torch.uint8), src=src, group=ctx.group)
+            dist.broadcast(flat.view(torch.uint8), src=src, group=group_for(flat, ctx))
             if ctx.rank != src:
                 torch._foreach_copy_(members, unflatten(flat, members))
 

@@ -122,13 +122,13 @@ def _leave() -> None:
 
 def _side_context(ctx: Context) -> Context:
     if ctx.group is None or ctx.world_size == 1:
-        return attrs.evolve(ctx, group=None, arrivals=None)
+        return attrs.evolve(ctx, group=None, arrivals=None, cpu_group=None)
     side = _side_groups.get(ctx.group)
     if side is None:
         # Every rank saves at the same point of its program, so every rank makes it here.
         side = dist.new_group(backend="gloo")
         _side_groups[ctx.group] = side
-    return attrs.evolve(ctx, group=side, arrivals=None)
+    return attrs.evolve(ctx, group=side, arrivals=None, cpu_group=None)
 
 
 def start(

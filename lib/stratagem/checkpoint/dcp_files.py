@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from stratagem.checkpoint.directory import Found, checksum, refusal, unreadable
-from stratagem.env import Context
+from stratagem.env import Context, host_group
 from stratagem.errors import CheckpointError
 
 __all__ = [
@@ -93,7 +93,7 @@ def write(directory: Path, state_dict: dict[str, Any], ctx: Context) -> None:
                 state_dict,
                 storage_writer=writer,
                 planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
-                process_group=ctx.group,
+                process_group=host_group(ctx),
                 no_dist=ctx.group is None,
             )
     except (Exception, CheckpointException) as error:  # DCP's error is a BaseException
@@ -128,7 +128,7 @@ def write_async(
                     state_dict,
                     storage_writer=writer,
                     planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
-                    process_group=ctx.group,
+                    process_group=host_group(ctx),
                     no_dist=ctx.group is None,
                 ),
             )
@@ -268,7 +268,7 @@ def checksums(directory: Path, ctx: Context) -> dict[str, int]:
             sums[path.name] = checksum(file)
     if ctx.group is not None and ctx.world_size > 1:
         parts: list[Any] = [None] * ctx.world_size
-        dist.all_gather_object(parts, sums, group=ctx.group)
+        dist.all_gather_object(parts, sums, group=host_group(ctx))
         sums = {name: value for part in parts for name, value in part.items()}
     if ctx.rank == 0:
         for path in sorted(directory.iterdir()):
@@ -297,7 +297,7 @@ def read(
                 state_dict,
                 storage_reader=cast(StorageReader, reader),
                 planner=cast(LoadPlanner, planner),
-                process_group=ctx.group,
+                process_group=host_group(ctx),
                 no_dist=ctx.group is None,
             )
     except (Exception, CheckpointException) as error:  # DCP's error is a BaseException

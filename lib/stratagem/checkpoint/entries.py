@@ -458,8 +458,10 @@ def differing_replicas(
         return None
     import torch.distributed as dist
 
+    from stratagem.env import host_group
+
     everyone: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(everyone, (mine, dict(parts)), group=ctx.group)
+    dist.all_gather_object(everyone, (mine, dict(parts)), group=host_group(ctx))
     differing: dict[tuple[str, int], list[int]] = {}
     for rank, (theirs, their_parts) in enumerate(everyone):
         references = {0, *their_parts.values()}

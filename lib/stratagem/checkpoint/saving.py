@@ -41,7 +41,7 @@ from stratagem.checkpoint.entries import (
     written_by_this_rank,
 )
 from stratagem.checkpoint.rank_zero import agree, on_main
-from stratagem.env import Context, check_context
+from stratagem.env import Context, check_context, host_group
 from stratagem.errors import CheckpointError, UsageError, describe
 from stratagem.parts import everyones, everyones_ties
 
@@ -197,7 +197,7 @@ def save(
         if checksums:
             manifest["checksums"] = dcp_files.checksums(tmp, ctx)  # its gather is the barrier
         elif ctx.group is not None and ctx.world_size > 1:
-            dist.barrier(group=ctx.group)
+            dist.barrier(group=host_group(ctx))
         directory.stage_hook("written")
         on_main(ctx, lambda: directory.commit(tmp, target, manifest, keep_last))
     except BaseException as error:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from stratagem.collectives import expect_everyone
 from stratagem.combinators._base import CombinatorError, applied, check_strategy
-from stratagem.env import Context, check_context
+from stratagem.env import Context, check_context, host_group
 from stratagem.errors import CollectiveMismatchError
 from stratagem.fields import BarrierFn, BroadcastFn, GatherFn, ReduceFn, ReduceOp
 from stratagem.strategy import Strategy
@@ -116,14 +116,14 @@ def _agree(fingerprint: Fingerprint, ctx: Context, sites: bool) -> None:
     """
     expect_everyone(ctx, fingerprint.field, series="checked")
     digest = fingerprint.digest(sites=sites)
-    extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=ctx.device)
-    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=ctx.group)
+    extremes = torch.tensor([digest, -digest], dtype=torch.int64)  # on the CPU: a host value
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=host_group(ctx))
     largest, negated_smallest = extremes.tolist()
     if largest == -negated_smallest:
         return
     # Every rank saw the same digests, so every rank takes this path: no one is left waiting.
     fingerprints: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(fingerprints, fingerprint, group=ctx.group)
+    dist.all_gather_object(fingerprints, fingerprint, group=host_group(ctx))
     raise _mismatch(fingerprints)
 
 

@@ -166,7 +166,10 @@ def allreduce_grads(
         compression: ``"bf16"`` or ``"fp16"`` sends 32/64-bit gradients as
             16-bit values; ``None`` sends them as they are.
         device: ``"auto"`` (``cuda:LOCAL_RANK``, else CPU) or a device.
-        backend: ``None`` picks gloo on CPU and nccl on CUDA.
+        backend: ``None`` picks gloo on the CPU and ``"cpu:gloo,cuda:nccl"`` on
+            CUDA; or any string ``init_process_group`` takes, device mappings
+            included. Without a CPU backend (``"nccl"``), setup adds a gloo
+            group for CPU traffic (``ctx.cpu_group``).
         timeout: seconds (or a ``timedelta``) that process-group init and every
             collective wait before failing.
         arrival_timeout: seconds that ``save``, ``load`` and ``barrier`` wait for every

@@ -161,7 +161,10 @@ def fsdp(
         offload: keep sharded parameters, gradients and optimizer state in host
             memory between uses (FSDP2's ``CPUOffloadPolicy``; pinned on CUDA).
         device: ``"auto"`` (``cuda:LOCAL_RANK``, else CPU) or a device.
-        backend: ``None`` picks gloo on CPU and nccl on CUDA.
+        backend: ``None`` picks gloo on the CPU and ``"cpu:gloo,cuda:nccl"`` on
+            CUDA; or any string ``init_process_group`` takes, device mappings
+            included. Without a CPU backend (``"nccl"``), setup adds a gloo
+            group for CPU traffic (``ctx.cpu_group``).
         timeout: seconds (or a ``timedelta``) for process-group init and collectives.
         arrival_timeout: seconds that ``save``, ``load`` and ``barrier`` wait for every
             rank to call them (see `ddp`).

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import attrs
 import torch
 
-from stratagem.collectives import is_distributed
+from stratagem.collectives import group_for, is_distributed
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
 from stratagem.meshes import data_mesh
@@ -272,7 +272,7 @@ def _copy_rank_zeros_states(module: torch.nn.Module, ctx: Context) -> None:
     tensors = [t for t in (*module.parameters(), *module.buffers()) if not isinstance(t, DTensor)]
     meta = torch.tensor([int(any(t.is_meta for t in tensors))], device=ctx.device)
     agreed = [torch.zeros_like(meta) for _ in range(ctx.world_size)]
-    dist.all_gather(agreed, meta, group=ctx.group)
+    dist.all_gather(agreed, meta, group=group_for(meta, ctx))
     on_meta = [rank for rank, flag in enumerate(agreed) if int(flag)]
     if on_meta and len(on_meta) < ctx.world_size:
         raise UsageError(
@@ -286,7 +286,7 @@ def _copy_rank_zeros_states(module: torch.nn.Module, ctx: Context) -> None:
     with torch.no_grad():
         for tensor in tensors:
             travelling = tensor.detach().to(ctx.device)
-            dist.broadcast(travelling, src=0, group=ctx.group)
+            dist.broadcast(travelling, src=0, group=group_for(travelling, ctx))
             if ctx.rank != 0:
                 tensor.copy_(travelling)
 

@@ -162,7 +162,10 @@ def pipeline(
         size: ranks per pipeline; ``None`` for all. A smaller size gives a
             ``("dp", "pp")`` mesh of ``world / size`` data-parallel pipelines.
         device: ``"auto"`` (``cuda:LOCAL_RANK``, else CPU) or a device.
-        backend: ``None`` picks gloo on CPU and nccl on CUDA.
+        backend: ``None`` picks gloo on the CPU and ``"cpu:gloo,cuda:nccl"`` on
+            CUDA; or any string ``init_process_group`` takes, device mappings
+            included. Without a CPU backend (``"nccl"``), setup adds a gloo
+            group for CPU traffic (``ctx.cpu_group``).
         timeout: seconds (or a ``timedelta``) every collective and transfer waits.
         arrival_timeout: seconds ``save``, ``load`` and ``barrier`` wait for every rank.
         join_timeout: seconds setup waits for every rank to join.
