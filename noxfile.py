@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -17,8 +18,13 @@ nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["tests", "lint", "typecheck"]
 
+# A session that cannot find its interpreter fails instead of "skipped" with exit code 0.
+nox.options.error_on_missing_interpreters = True
+
 CONSTRAINTS = ("-c", "constraints.txt")
-PYTHON = "3.11"
+# None: the Python that runs nox, whichever supported version it is (3.11 and later). A
+# pinned version skipped every session on a machine without it, and exited 0.
+PYTHON = None
 
 
 def install(session: nox.Session, *extra: str) -> None:
@@ -97,7 +103,7 @@ def readme(session: nox.Session) -> None:
         unknown = set(session.posargs) - set(commands)
         if unknown:
             session.error(f"no README command runs nox -s {', '.join(sorted(unknown))}")
-        session.run(f"python{PYTHON}", "-m", "venv", str(venv), external=True)
+        session.run(sys.executable, "-m", "venv", str(venv), external=True)
         # The fresh venv alone: nothing from this shell's venv or PYTHONPATH leaks in.
         env = {
             "PATH": os.pathsep.join([str(venv / "bin"), os.environ.get("PATH", "")]),
