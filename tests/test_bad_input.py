@@ -245,7 +245,7 @@ ROWS: list[Row] = [
     Row("with_precision", "None", lambda k: sg.with_precision(k.strategy, None), U,
         ("'precision' must be one of", "got None, a NoneType")),
     Row("with_precision", "not a strategy", lambda k: sg.with_precision("ddp", "16-mixed"), U,
-        ("with_precision: 'strategy' must be a Strategy", "got 'ddp', a str", "single_device()")),
+        ("with_precision: 'strategy' must be a Strategy", "got 'ddp', a str", "write sg.ddp()")),
     Row("with_precision", "twice",
         lambda k: sg.with_precision(sg.with_precision(k.strategy, "16-mixed"), "bf16-mixed"), C,
         ("already has precision '16-mixed'", "apply with_precision once")),

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from stratagem._processes import SpawnedWorld, pack, rendezvous
 from stratagem.env import detect_env, host_group
 from stratagem.errors import CombinatorError, LaunchError, UsageError, describe
-from stratagem.strategy import Strategy, StrategyLike
+from stratagem.strategy import Strategy, StrategyLike, not_a_strategy
 from stratagem.validators import positive_number
 
 __all__ = ["MAX_SECONDS", "Spawn", "check_field_arguments", "in_place", "launch", "spawned"]
@@ -104,10 +104,7 @@ def launch(
         ['hi from rank 0 of 1']
     """
     if not isinstance(strategy, StrategyLike):
-        raise UsageError(
-            f"launch: 'strategy' must be a Strategy or have every Strategy field "
-            f"(got {describe(strategy)})."
-        )
+        raise UsageError(not_a_strategy(strategy, "launch"))
     checked = _check_devices(devices)
     if checked == "auto":
         env = detect_env(os.environ)
@@ -218,10 +215,7 @@ def spawned(strategy: Strategy, start: Spawn | None = None) -> Strategy:
         Spawn(stop_grace=10, exit_timeout=30.0, store_timeout=300.0)
     """
     if not isinstance(strategy, Strategy):
-        raise UsageError(
-            f"spawned: 'strategy' must be a Strategy (got {describe(strategy)}); build one with "
-            "sg.ddp(), sg.fsdp() or attrs.evolve."
-        )
+        raise UsageError(not_a_strategy(strategy, "spawned"))
     if start is None:
         start = Spawn()
     if not isinstance(start, Spawn):

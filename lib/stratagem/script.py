@@ -19,9 +19,9 @@ from collections.abc import Iterator
 
 from stratagem.combinators._base import peel
 from stratagem.env import Context, Env, check_env, detect_env
-from stratagem.errors import UsageError, describe
+from stratagem.errors import UsageError
 from stratagem.launching import Spawn
-from stratagem.strategy import StrategyLike
+from stratagem.strategy import StrategyLike, not_a_strategy
 
 __all__ = ["joined"]
 
@@ -54,10 +54,7 @@ def joined(strategy: StrategyLike, *, env: Env | None = None) -> Iterator[Contex
         tensor([1.])
     """
     if not isinstance(strategy, StrategyLike):
-        raise UsageError(
-            f"joined: 'strategy' must be a Strategy or have every Strategy field "
-            f"(got {describe(strategy)})."
-        )
+        raise UsageError(not_a_strategy(strategy, "joined"))
     world = detect_env(os.environ) if env is None else check_env(env, "joined")
     if isinstance(peel(strategy.launch)[1], Spawn) and not world.is_distributed:
         raise UsageError(

@@ -32,7 +32,7 @@ from stratagem.fields import (
 )
 from stratagem.fields import StrategyLike as StrategyLike  # defined beside its field types
 
-__all__ = ["FIELD_SIGNATURES", "Strategy", "StrategyLike"]
+__all__ = ["FIELD_SIGNATURES", "Strategy", "StrategyLike", "not_a_strategy"]
 
 
 @attrs.frozen
@@ -130,3 +130,26 @@ class Strategy:
     save: SaveFn = attrs.field(validator=FIELD_SIGNATURES["save"])
     load: LoadFn = attrs.field(validator=FIELD_SIGNATURES["load"])
     teardown: TeardownFn = attrs.field(validator=FIELD_SIGNATURES["teardown"])
+
+
+def not_a_strategy(value: object, function: str) -> str:
+    """Return the message for ``value`` given where a strategy was expected, with the fix.
+
+    The two usual mistakes get their own fix: a factory passed uncalled
+    (``sg.ddp_spawn`` for ``sg.ddp_spawn()``) and a built-in's name as a string.
+    """
+    import stratagem
+
+    head = f"{function}: 'strategy' must be a Strategy (got {describe(value)})"
+    if callable(value) and not isinstance(value, type):
+        name = getattr(value, "__name__", "factory")
+        if getattr(stratagem, name, None) is value:
+            return f"{head}; call the factory: sg.{name}() instead of sg.{name}."
+        return f"{head}; if it builds one, call it: {name}()."
+    if isinstance(value, str):
+        name = value.strip().lower().replace("-", "_")
+        found = getattr(stratagem, name, None)
+        if callable(found) and not isinstance(found, type) and name in stratagem.__all__:
+            return f"{head}; strategies are records, not names: write sg.{name}()."
+        return f"{head}; strategies are records, not names: build one, e.g. sg.ddp()."
+    return f"{head}; build one with a factory such as sg.single_device() or sg.ddp()."

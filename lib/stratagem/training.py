@@ -21,6 +21,7 @@ from stratagem.trees import map_tensors
 from stratagem.validators import is_number, require
 
 __all__ = [
+    "STEP_WITHOUT_FORWARD",
     "backward",
     "check_loss",
     "check_module",
@@ -149,6 +150,13 @@ def to_device(module: torch.nn.Module, ctx: Context) -> torch.nn.Module:
     return module.to(ctx.device)
 
 
+STEP_WITHOUT_FORWARD = (
+    "step: without forward=, the module is called with the whole batch ({batch}), and it "
+    "refused it ({error}). Pass the loss as forward=, e.g. step(model, batch, ctx, "
+    "forward=lambda model, batch: loss_fn(model(batch[0]), batch[1]))."
+)
+
+
 def step(
     module: torch.nn.Module, batch: Any, ctx: Context, *, forward: ForwardFn | None = None
 ) -> Any:
@@ -168,7 +176,15 @@ def step(
         check_context(ctx, "step")
         require(ok, "step: 'forward'", "None or a function forward(module, batch)", forward)
     batch = move_batch(batch, ctx.device)
-    return module(batch) if forward is None else forward(module, batch)
+    if forward is not None:
+        return forward(module, batch)
+    try:
+        return module(batch)
+    except TypeError as error:
+        if not isinstance(batch, (tuple, list, dict)):
+            raise
+        shown = f"a {type(batch).__name__} of {len(batch)}"
+        raise UsageError(STEP_WITHOUT_FORWARD.format(batch=shown, error=error)) from error
 
 
 def backward(loss: torch.Tensor, module: torch.nn.Module, ctx: Context) -> None:

@@ -15,8 +15,8 @@ from typing import Any
 import attrs
 import torch
 
-from stratagem.errors import CombinatorError, UsageError, describe
-from stratagem.strategy import FIELD_SIGNATURES, Strategy, StrategyLike
+from stratagem.errors import CombinatorError, UsageError
+from stratagem.strategy import FIELD_SIGNATURES, Strategy, StrategyLike, not_a_strategy
 
 __all__ = [
     "CombinatorError",
@@ -37,11 +37,7 @@ def check_strategy(strategy: object, combinator: str) -> Strategy:
         UsageError: it is not.
     """
     if not isinstance(strategy, Strategy):
-        raise UsageError(
-            f"{combinator}: 'strategy' must be a Strategy (got {describe(strategy)}); build one "
-            "with a factory such as single_device(), or Strategy(name=..., **fields) from your "
-            "own record's functions."
-        )
+        raise UsageError(not_a_strategy(strategy, combinator))
     return strategy
 
 
