@@ -56,6 +56,7 @@ if _typing.TYPE_CHECKING:
     from stratagem.ray_launching import ray_launcher as ray_launcher
     from stratagem.replicas import broadcast_optimizer_state as broadcast_optimizer_state
     from stratagem.script import joined as joined
+    from stratagem.seeding import seed_everything as seed_everything
     from stratagem.sharding import ShardedLoader as ShardedLoader
     from stratagem.sharding import ShardSampler as ShardSampler
     from stratagem.sharding import StreamStride as StreamStride
@@ -83,6 +84,7 @@ __version__ = "0.1.0"
 _WHERE: dict[str, str] = {
     "CollectiveCallError": "stratagem.errors",
     "joined": "stratagem.script",
+    "seed_everything": "stratagem.seeding",
     "CheckpointError": "stratagem.errors",
     "unwrap": "stratagem.checkpoint.entries",
     "per_rank": "stratagem.checkpoint.entries",
@@ -194,6 +196,7 @@ __all__ = [
     "pipeline",
     "ray_launcher",
     "resume_or_start",
+    "seed_everything",
     "single_device",
     "spawned",
     "tensor_parallel",

@@ -213,6 +213,21 @@ class Context:
             )
         return attrs.evolve(self, extras={**self.extras, **extras})
 
+    def print(self, *values: Any, **options: Any) -> None:
+        """Print on the main rank only (global rank 0), as ``print`` would; a no-op elsewhere.
+
+        Output is flushed at once, so lines from ranks and launchers interleave
+        in the order they happened.
+
+        Example:
+            >>> import stratagem as sg
+            >>> ctx = sg.single_device("cpu").setup(sg.Env())
+            >>> ctx.print("epoch", 1, "loss", 0.25)
+            epoch 1 loss 0.25
+        """
+        if self.env.rank == 0:
+            print(*values, **{"flush": True, **options})
+
     @property
     def rank(self) -> int:
         """Global rank of this process."""

@@ -1,0 +1,69 @@
+"""What ``fabric.print`` and ``seed_everything`` give Fabric users: ``ctx.print``, ``sg.seed_everything``."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import stratagem as sg
+
+
+def context(rank: int, world_size: int = 2) -> sg.Context:
+    env = sg.Env(
+        rank=rank,
+        local_rank=rank,
+        world_size=world_size,
+        local_world_size=world_size,
+        source="torchrun",
+        master_port=29500,
+    )
+    return sg.Context(env=env, device="cpu")
+
+
+def test_ctx_print_prints_on_the_main_rank_only(capsys):
+    context(0).print("loss", 0.5, sep="=")
+    context(1).print("loss", 0.25)
+    assert capsys.readouterr().out == "loss=0.5\n"
+
+
+def draws() -> tuple[float, float, list[float]]:
+    return random.random(), float(np.random.rand()), torch.rand(3).tolist()
+
+
+def test_seed_everything_seeds_python_numpy_and_torch():
+    assert sg.seed_everything(123) == 123
+    first = draws()
+    sg.seed_everything(123)
+    assert draws() == first
+    sg.seed_everything(124)
+    assert draws() != first
+
+
+def test_per_rank_seeds_add_the_rank():
+    assert sg.seed_everything(10, context(1), per_rank=True) == 11
+    on_rank_one = draws()
+    sg.seed_everything(11)
+    assert draws() == on_rank_one
+    assert sg.seed_everything(10, context(1)) == 10  # the same seed everywhere by default
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (
+            lambda: sg.seed_everything(-1),
+            r"'seed' must be an int in \[0, 4294967295\] \(got -1, an int\)",
+        ),
+        (lambda: sg.seed_everything(2**32), r"'seed' must be an int"),
+        (lambda: sg.seed_everything(1.5), r"got 1\.5, a float"),
+        (lambda: sg.seed_everything(True), r"got True, a bool"),
+        (lambda: sg.seed_everything(1, per_rank=True), r"per_rank=True needs the context"),
+        (lambda: sg.seed_everything(1, sg.Env()), r"seed_everything: 'ctx' must be the Context"),
+    ],
+)
+def test_bad_seeds_are_refused_naming_the_argument(call, message):
+    with pytest.raises(sg.UsageError, match=message):
+        call()
