@@ -34,10 +34,11 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from stratagem.arrivals import mark_left
 from stratagem.errors import LaunchError, RankError, describe
 
 if TYPE_CHECKING:
-    from stratagem.env import Env
+    from stratagem.env import Context, Env
     from stratagem.strategy import StrategyLike
 
 _PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
@@ -465,6 +466,21 @@ def in_collective(remote_traceback: str) -> bool:
     return bool(frames) and re.search(r"torch[/\\]distributed[/\\]", frames[-1]) is not None
 
 
+def ran(fn: Callable[..., Any], strategy: StrategyLike, ctx: Context, args: Sequence[Any]) -> Any:
+    """Return ``fn(strategy, ctx, *args)``; then tell the world this rank has left its function.
+
+    A rank still waiting for this one at a save or a barrier then names it at
+    once (`stratagem.arrivals.mark_left`), instead of after the arrival timeout.
+    """
+    try:
+        result = fn(strategy, ctx, *args)
+    except BaseException as error:
+        mark_left(ctx.arrivals, ctx.rank, f"raised {type(error).__name__} in its function")
+        raise
+    mark_left(ctx.arrivals, ctx.rank, "returned from its function")
+    return result
+
+
 def rank_main(pipe: Connection, payload: bytes, rank: int, world_size: int, port: int) -> None:
     """Body of a spawned rank: join, run, report, leave, and exit without interpreter teardown."""
     die_with_parent()  # first: nothing slow may come before it
@@ -475,7 +491,7 @@ def rank_main(pipe: Connection, payload: bytes, rank: int, world_size: int, port
         fn, strategy, args = pickle.loads(payload)
         ctx = strategy.setup(env)
         try:
-            result = fn(strategy, ctx, *args)
+            result = ran(fn, strategy, ctx, args)
             send(pipe, ("ok", result))
             del result
         finally:

@@ -14,6 +14,9 @@ host): right for checkpoints and barriers, not for every gradient.
 
 from __future__ import annotations
 
+import contextlib
+import re
+import time
 from datetime import timedelta
 from typing import cast
 
@@ -24,11 +27,13 @@ from stratagem.errors import CollectiveCallError
 from stratagem.validators import is_number, require
 
 __all__ = [
+    "CANNOT_COME",
     "NOT_CALLED_BY_ALL",
     "Arrivals",
     "CollectiveCallError",
     "arrive",
     "check_arrival_timeout",
+    "mark_left",
 ]
 
 NOT_CALLED_BY_ALL = (
@@ -38,7 +43,16 @@ NOT_CALLED_BY_ALL = (
     "raise arrival_timeout (a strategy option)."
 )
 
+CANNOT_COME = (
+    "{what} is collective: every rank must call it, but rank {rank} waits in it ({call}) for "
+    "ranks that cannot come: {reasons}. Call {what} on every rank, in the same order, not "
+    "under `if ctx.is_main:` (the writing itself is done by the ranks that own each part)."
+)
+
 DEFAULT_TIMEOUT = 60.0
+_FIRST_LOOK, _LAST_LOOK = 0.2, 5.0  # seconds between two looks at why a wait goes on
+_POLL = 0.02  # seconds between two looks at the store, at most
+_CALL = re.compile(r"\(([^()]*#\d+)\)$")
 _PREFIX = "stratagem/arrivals"
 
 
@@ -103,18 +117,84 @@ def arrive(arrivals: Arrivals, what: str, rank: int, world_size: int, *, series:
     if store.add(_key(call), 1) == world_size:
         store.set(done, "")
     else:
-        try:
-            store.wait([done], timedelta(seconds=arrivals.timeout))
-        except RuntimeError:  # DistStoreError: the wait timed out
-            error = _absent(arrivals, what, call, rank, world_size)
-            if error is not None:
-                raise error from None
-            store.wait([done], timedelta(seconds=arrivals.timeout))  # all came, just late
+        _wait(arrivals, what, call, rank, world_size)
     if rank == 0 and number > 1:
         # Every rank has passed the previous call of the series: its keys are not needed.
         previous = f"{name}#{number - 1}"
         store.delete_key(_key(previous))
         store.delete_key(_key(previous, "all"))
+
+
+def _wait(arrivals: Arrivals, what: str, call: str, rank: int, world_size: int) -> None:
+    """Wait for every rank at ``call``; raise as soon as one cannot come, or at the timeout.
+
+    A rank cannot come when it has left its function (`mark_left`) or waits in
+    another collective call, which cannot end while this rank waits here. The
+    store is polled (a timed-out ``store.wait`` makes torch print a socket
+    warning), at first every millisecond, then at most every `_POLL` seconds;
+    why a wait goes on is looked into at growing intervals, from a fifth of a
+    second to a few seconds, so a slow rank costs the store a handful of looks.
+    """
+    store, done = arrivals.store, _key(call, "all")
+    started = time.monotonic()
+    deadline, look, pause = started + arrivals.timeout, started + _FIRST_LOOK, 0.001
+    piece = _FIRST_LOOK
+    while not store.check([done]):
+        now = time.monotonic()
+        error = None
+        if now >= look:
+            error = _cannot_come(arrivals, what, call, rank, world_size)
+            piece = min(piece * 2, _LAST_LOOK)
+            look = now + piece
+        if error is None and now >= deadline:
+            error = _absent(arrivals, what, call, rank, world_size)
+            if error is None:
+                store.wait([done], timedelta(seconds=arrivals.timeout))  # all came, just late
+                return
+        if error is not None:
+            raise error from None
+        time.sleep(pause)
+        pause = min(pause * 2, _POLL)
+
+
+def mark_left(arrivals: Arrivals | None, rank: int, how: str) -> None:
+    """Record that ``rank`` has left the user's function (``how``: returned, raised ...).
+
+    A launcher calls it once the function ends, so a rank still waiting for this
+    one at a collective call says so at once instead of after its timeout.
+    """
+    if arrivals is None:
+        return
+    with contextlib.suppress(RuntimeError):  # the store is gone: nobody is left to tell
+        arrivals.store.set(_key("left", rank), how)
+        arrivals.store.add(_key("left"), 1)
+
+
+def _cannot_come(
+    arrivals: Arrivals, what: str, call: str, rank: int, world_size: int
+) -> CollectiveCallError | None:
+    store, done = arrivals.store, _key(call, "all")
+    left = store.add(_key("left"), 0) > 0  # one look, and the names only when someone left
+    gone, elsewhere = [], []
+    for other in range(world_size):
+        key = _key("rank", other)
+        if other == rank:
+            continue
+        if left and store.check([_key("left", other)]):
+            gone.append(f"rank {other} {store.get(_key('left', other)).decode()}")
+            continue
+        last = store.get(key).decode() if store.check([key]) else ""
+        match = _CALL.search(last)
+        if match is None or match.group(1) == call:
+            continue
+        waiting = store.add(_key(match.group(1)), 0)  # ranks signed in at that call so far
+        if 0 < waiting < world_size:
+            elsewhere.append(f"rank {other} waits in {last}")
+    if not (gone or elsewhere) or store.check([done]):
+        return None
+    return CollectiveCallError(
+        CANNOT_COME.format(what=what, rank=rank, call=call, reasons="; ".join(gone + elsewhere))
+    )
 
 
 def _absent(

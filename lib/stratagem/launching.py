@@ -26,7 +26,8 @@ from typing import Any, Literal, TypeVar
 import attrs
 import torch.distributed as dist
 
-from stratagem._processes import SpawnedWorld, pack, rendezvous
+from stratagem._processes import SpawnedWorld, pack, ran, rendezvous
+from stratagem.devices import asked_device, warn_fallback
 from stratagem.env import detect_env, host_group
 from stratagem.errors import CombinatorError, LaunchError, UsageError, describe
 from stratagem.strategy import Strategy, StrategyLike, not_a_strategy
@@ -140,7 +141,7 @@ def in_place(
     ctx = strategy.setup(env)
     results: list[Any] = [None] * ctx.world_size
     try:
-        result = fn(strategy, ctx, *args)
+        result = ran(fn, strategy, ctx, args)
         if ctx.world_size == 1 or ctx.group is None:
             results = [result]
         else:
@@ -187,6 +188,8 @@ class Spawn:
         if devices == 1 or detect_env(os.environ).is_distributed:
             return in_place(fn, strategy, devices, args)
         payload = pack(fn, strategy, args)
+        # Decided here, once, for the ranks about to start: they resolve "auto" alike.
+        warn_fallback(asked_device(strategy.setup), devices, stacklevel=3)
         with rendezvous(self.store_timeout) as port:
             return SpawnedWorld(self, devices, port, payload).run()
 

@@ -52,6 +52,7 @@ from stratagem._processes import (
     error_report,
     in_collective,
     prepare_rank,
+    ran,
     remote_error,
     rendezvous,
     returned_early,
@@ -247,7 +248,7 @@ class _RankActor:
             fn, strategy, args = pickle.loads(payload)
             self._strategy = strategy
             self._ctx = strategy.setup(env)
-            result = fn(strategy, self._ctx, *args)
+            result = ran(fn, strategy, self._ctx, args)
             # Pickled here, so that a result that cannot travel is this rank's error.
             return ("ok", importlib.import_module("ray").cloudpickle.dumps(result))
         except BaseException as error:  # report everything, KeyboardInterrupt included
