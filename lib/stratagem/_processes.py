@@ -481,6 +481,18 @@ def ran(fn: Callable[..., Any], strategy: StrategyLike, ctx: Context, args: Sequ
     return result
 
 
+def release_semaphores() -> None:
+    """Give back the semaphores this process made (tqdm's lock, a user's own) before ``os._exit``.
+
+    Their finalizers run at a normal exit only; skipped, the resource tracker
+    shared with the launcher reports them as leaked once the prompt has returned.
+    """
+    from multiprocessing import util
+
+    with contextlib.suppress(Exception):  # cleanup on the way out must not replace the result
+        util._run_finalizers(0)  # type: ignore[attr-defined]  # noqa: SLF001  # SemLock: priority 0
+
+
 def rank_main(pipe: Connection, payload: bytes, rank: int, world_size: int, port: int) -> None:
     """Body of a spawned rank: join, run, report, leave, and exit without interpreter teardown."""
     die_with_parent()  # first: nothing slow may come before it
@@ -504,6 +516,7 @@ def rank_main(pipe: Connection, payload: bytes, rank: int, world_size: int, port
         code = 1
     finally:
         pipe.close()
+        release_semaphores()
         sys.stdout.flush()
         sys.stderr.flush()
         # Skip interpreter finalisation: atexit hooks of torch/gloo are where exits hang.
