@@ -74,3 +74,25 @@ def test_a_module_that_takes_the_whole_batch_still_runs_and_its_own_errors_pass_
 
 def test_the_message_is_the_teaching_constant():
     assert STEP_WITHOUT_FORWARD.startswith("step: without forward=")
+
+
+@pytest.mark.slow
+def test_a_spawning_script_without_a_main_guard_is_told_to_add_one():
+    # Before: 154 lines ending in "rank 1 failed: process N exited with code 1 without
+    # reporting a result" (each rank re-ran the launch while importing the script).
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from stratagem._processes import NO_MAIN_GUARD
+
+    script = Path(__file__).parent / "scripts" / "no_main_guard.py"
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("stratagem.errors.RankError: rank ") and last.endswith(NO_MAIN_GUARD)
+    assert 'Put the launch call under `if __name__ == "__main__":`' in NO_MAIN_GUARD
+    assert "bootstrapping phase" not in done.stderr  # multiprocessing's own long refusal
+    assert len(done.stderr.splitlines()) < 40

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import inspect
 import multiprocessing
 import os
 import pickle
@@ -45,6 +46,7 @@ _PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
 
 __all__ = [
     "LEFT_DURING_COLLECTIVE",
+    "NO_MAIN_GUARD",
     "SpawnedWorld",
     "death_error",
     "die_with_parent",
@@ -294,10 +296,36 @@ def send_error(pipe: Connection, error: BaseException) -> None:
         send(pipe, error_report(error))
 
 
+NO_MAIN_GUARD = (
+    "the script launches at import: each spawned rank imports the main script again, and its "
+    'top-level launch ran there too. Put the launch call under `if __name__ == "__main__":`.'
+)
+_NO_MAIN_GUARD_EXIT = 87  # a spawned rank's exit code for NO_MAIN_GUARD, before it can report
+
+
+def refuse_launch_at_import() -> None:
+    """In a spawned rank that is importing the main script, end it: the script has no guard.
+
+    Without ``if __name__ == "__main__":`` the rank would start ranks of its own
+    (multiprocessing refuses, in a long traceback); one line and an exit code the
+    launcher recognises say what to change instead.
+    """
+    if "__mp_main__" not in sys.modules:  # only a spawned child imports the script under it
+        return
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_globals.get("__name__") == "__mp_main__" and frame.f_code.co_name == "<module>":
+            print(f"stratagem: {NO_MAIN_GUARD}", file=sys.stderr, flush=True)
+            os._exit(_NO_MAIN_GUARD_EXIT)
+        frame = frame.f_back
+
+
 def death_error(rank: int, process: BaseProcess, grace: float) -> RankError:
     """Describe a rank whose process ended without reporting (killed, crashed)."""
     process.join(grace)
     code = process.exitcode
+    if code == _NO_MAIN_GUARD_EXIT:
+        return RankError(rank, exc_type=None, message=NO_MAIN_GUARD, exitcode=code)
     if code is not None and code < 0:
         how = f"was killed by signal {-code}"
     else:

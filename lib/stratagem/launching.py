@@ -26,7 +26,7 @@ from typing import Any, Literal, TypeVar
 import attrs
 import torch.distributed as dist
 
-from stratagem._processes import SpawnedWorld, pack, ran, rendezvous
+from stratagem._processes import SpawnedWorld, pack, ran, refuse_launch_at_import, rendezvous
 from stratagem.devices import asked_device, warn_fallback
 from stratagem.env import detect_env, host_group
 from stratagem.errors import CombinatorError, LaunchError, UsageError, describe
@@ -104,6 +104,7 @@ def launch(
         >>> sg.launch(hello, sg.single_device("cpu"), args=("hi",))
         ['hi from rank 0 of 1']
     """
+    refuse_launch_at_import()
     if not isinstance(strategy, StrategyLike):
         raise UsageError(not_a_strategy(strategy, "launch"))
     checked = _check_devices(devices)
