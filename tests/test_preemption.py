@@ -70,12 +70,13 @@ def saved_step(run: Path) -> int:
     return int(values["step"])
 
 
-def test_sigterm_to_a_spawned_world_saves_a_last_checkpoint_and_ends_as_sigterm_does(tmp_path):
+def test_sigterm_to_a_spawned_world_saves_a_last_checkpoint_and_exits_143(tmp_path):
     run, env = tmp_path / "run", agent_env(tmp_path)
     process = start(run, "spawn", env)
     signal_when_ready(process, run, signal.SIGTERM)
     code, output = finish(process)
-    assert code == -signal.SIGTERM, output  # the launcher ends as SIGTERM ends it (shell: 143)
+    # The ranks raised Preempted; so does the launcher: 143, what the shell showed before too.
+    assert code == 128 + signal.SIGTERM, output
     stopped = int((run / "preempted_at").read_text())
     assert saved_step(run) == stopped >= 3
     # The next run resumes where the signal stopped this one.
@@ -100,4 +101,54 @@ def test_sigterm_outside_slurm_exits_143(tmp_path):
     signal_when_ready(process, run, signal.SIGTERM)
     code, output = finish(process)
     assert code == 128 + signal.SIGTERM == 143, output
+    assert saved_step(run) == int((run / "preempted_at").read_text())
+
+
+def wait_for_pid(run: Path, rank: int) -> int:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (run / f"pid_{rank}").exists() or not (run / f"pid_{rank}").read_text():
+        assert time.monotonic() < deadline, f"rank {rank} never wrote its pid"
+        time.sleep(0.05)
+    return int((run / f"pid_{rank}").read_text())
+
+
+def test_sigterm_to_a_world_saving_in_the_background_keeps_its_last_checkpoint(tmp_path):
+    # Before: exit 143 but no checkpoint at all (3 of 3): the launcher's second SIGTERM,
+    # 0.1 s after the first, killed the ranks while they waited for the commit.
+    run, env = tmp_path / "run", {**agent_env(tmp_path), "PREEMPTIBLE_BACKGROUND": "1"}
+    process = start(run, "spawn", env)
+    signal_when_ready(process, run, signal.SIGTERM)
+    code, output = finish(process)
+    assert code == 143, output
+    stopped = int((run / "preempted_at").read_text())
+    assert saved_step(run) == stopped >= 3
+    assert not list((run / "checkpoints").glob("*.tmp-*")), "a save was left half done"
+
+
+def test_slurm_s_sigusr1_to_a_spawn_launcher_requeues_after_a_last_checkpoint(tmp_path):
+    # Before: the launcher died by the signal (rc -10), no checkpoint, no requeue.
+    run, env = tmp_path / "run", {**agent_env(tmp_path), "SLURM_JOB_ID": "4242"}
+    process = start(run, "spawn", env)
+    signal_when_ready(process, run, signal.SIGUSR1)
+    code, output = finish(process)
+    assert code == REQUEUE == 75, output
+    assert saved_step(run) == int((run / "preempted_at").read_text())
+
+
+@pytest.mark.parametrize(
+    ("signum", "slurm", "expected"),
+    [(signal.SIGTERM, False, 143), (signal.SIGUSR1, True, REQUEUE)],
+    ids=["sigterm", "sigusr1-under-slurm"],
+)
+def test_a_stop_signal_to_one_rank_only_ends_the_world_preempted(tmp_path, signum, slurm, expected):
+    # Before: rc 1 and a RankError, which a scheduler reads as a failure, not "requeue".
+    run, env = tmp_path / "run", agent_env(tmp_path)
+    if slurm:
+        env["SLURM_JOB_ID"] = "4242"
+    process = start(run, "spawn", env)
+    signal_when_ready(process, run, 0)  # only wait until it runs
+    os.kill(wait_for_pid(run, 1), signum)
+    code, output = finish(process)
+    assert code == expected, output
+    assert "RankError" not in output
     assert saved_step(run) == int((run / "preempted_at").read_text())

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from stratagem import pending
 from stratagem.arrivals import mark_left
 from stratagem.errors import LaunchError, RankError, describe
 
@@ -130,17 +131,37 @@ class _Interrupted(BaseException):
         self.signum = signum
 
 
-@contextlib.contextmanager
-def forwarding_signals(processes: Sequence[BaseProcess]) -> Iterator[None]:
-    """Inside, SIGINT and SIGTERM reach the ranks too; a second signal kills them at once.
+@attrs.define
+class Signalled:
+    """The stop signal the launching process passed on to its ranks, and when."""
 
-    After the ranks are stopped, the first signal is delivered to this process
-    as it would have been: SIGINT as ``KeyboardInterrupt``, SIGTERM to the
-    handler that was installed before (by default, the process ends).
+    signum: int = 0
+    at: float = 0.0
+
+
+# A scheduler's stop signals: passed on, they give the ranks stop_grace seconds to save and
+# end (as `sg.on_preemption` lets them); SIGINT (Ctrl-C) stops the ranks at once.
+_STOP_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name)
+)
+
+
+@contextlib.contextmanager
+def forwarding_signals(processes: Sequence[BaseProcess]) -> Iterator[Signalled]:
+    """Inside, SIGINT, SIGTERM and SIGUSR1 reach the ranks too; a second signal kills them.
+
+    SIGINT ends the launch at once. SIGTERM and SIGUSR1, a scheduler's stop
+    signals, only set the yielded `Signalled`: the launch goes on collecting, so
+    ranks that save and raise `Preempted` end the launch the same way, and
+    ranks that ignore the signal are stopped after ``stop_grace`` seconds
+    (`SpawnedWorld`). When the launch ends because of a signal, it is delivered
+    to this process as it would have been: SIGINT as ``KeyboardInterrupt``, the
+    others to the handler that was installed before (by default, the process ends).
     Outside the main thread, signals cannot be caught and nothing changes.
     """
+    signalled = Signalled()
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield signalled
         return
     received: list[int] = []
 
@@ -150,12 +171,15 @@ def forwarding_signals(processes: Sequence[BaseProcess]) -> Iterator[None]:
             with contextlib.suppress(ProcessLookupError, ValueError, AttributeError):
                 if process.is_alive() and process.pid is not None:
                     os.kill(process.pid, signal.SIGKILL if len(received) > 1 else signum)
-        if len(received) == 1:
+        if len(received) == 1 and signum in _STOP_SIGNALS:
+            signalled.signum, signalled.at = signum, time.monotonic()
+        elif len(received) == 1:
             raise _Interrupted(signum)
 
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    watched = (signal.SIGINT, *_STOP_SIGNALS)
+    previous = {sig: signal.signal(sig, handler) for sig in watched}
     try:
-        yield
+        yield signalled
     except _Interrupted as interrupted:
         for sig, old in previous.items():
             signal.signal(sig, old)
@@ -361,10 +385,11 @@ class SpawnedWorld:
     payload: bytes
     processes: list[BaseProcess] = attrs.field(factory=list)
     pipes: list[Connection] = attrs.field(factory=list)
+    signalled: Signalled = attrs.field(factory=Signalled)
 
     def run(self) -> list[Any]:
         context = multiprocessing.get_context("spawn")
-        with forwarding_signals(self.processes):
+        with forwarding_signals(self.processes) as self.signalled:
             return self._start_and_collect(context)
 
     def _start_and_collect(self, context: Any) -> list[Any]:
@@ -397,6 +422,7 @@ class SpawnedWorld:
         """
         results: dict[int, Any] = {}
         done_at: dict[int, float] = {}
+        preempted: dict[int, int] = {}  # rank -> the signal its Preempted names
         watching = dict(enumerate(self.pipes))
         while watching:
             now = time.monotonic()
@@ -405,10 +431,16 @@ class SpawnedWorld:
                     del watching[rank]  # lingering after its result: `stop` kills it
             if not watching:
                 break
+            signalled = self.signalled.signum
+            if signalled and now - self.signalled.at > self.options.stop_grace:
+                raise _Interrupted(signalled)  # the ranks had their grace: stop them
             deadlines = [
                 done_at[r] + self.options.exit_timeout - now for r in watching if r in done_at
             ]
             timeout = max(0.0, min(deadlines)) if len(deadlines) == len(watching) else None
+            if signalled:
+                grace = max(0.0, self.signalled.at + self.options.stop_grace - now)
+                timeout = grace if timeout is None else min(timeout, grace)
             ready = wait(list(watching.values()), timeout)
             for rank, pipe in list(watching.items()):
                 if pipe not in ready:
@@ -417,15 +449,24 @@ class SpawnedWorld:
                     kind, *body = receive(pipe)
                 except EOFError:
                     del watching[rank]
-                    if rank not in results:
-                        raise death_error(
-                            rank, self.processes[rank], self.options.stop_grace
-                        ) from None
+                    if rank not in results and rank not in preempted:
+                        died = death_error(rank, self.processes[rank], self.options.stop_grace)
+                        if self.signalled.signum and died.exitcode == -self.signalled.signum:
+                            raise _Interrupted(self.signalled.signum) from None  # not handled
+                        raise died from None
+                    continue
+                if kind == "preempted":  # it saved and raised Preempted: the others will too
+                    preempted[rank] = body[0]
+                    done_at[rank] = time.monotonic()
                     continue
                 if kind == "error":
                     raise self._first_cause(rank, body, watching, results, done_at)
                 results[rank] = body[0]
                 done_at[rank] = time.monotonic()
+        if preempted:
+            from stratagem.preemption import Preempted
+
+            raise Preempted(preempted[min(preempted)])  # 75 under SLURM, else 128 + signal
         return [results[rank] for rank in range(self.devices)]
 
     def _first_cause(
@@ -502,6 +543,9 @@ def ran(fn: Callable[..., Any], strategy: StrategyLike, ctx: Context, args: Sequ
     """
     try:
         result = fn(strategy, ctx, *args)
+        # A background save still committing ends before the result goes: a launcher that
+        # stops ranks some time after their result would otherwise stop the commit.
+        pending.settle()
     except BaseException as error:
         mark_left(ctx.arrivals, ctx.rank, f"raised {type(error).__name__} in its function")
         raise
@@ -540,7 +584,12 @@ def rank_main(pipe: Connection, payload: bytes, rank: int, world_size: int, port
             gc.collect()
             strategy.teardown(ctx)
     except BaseException as error:  # report everything, KeyboardInterrupt included
-        send_error(pipe, error)
+        preempted = sys.modules.get("stratagem.preemption")
+        if preempted is not None and isinstance(error, preempted.Preempted):
+            with contextlib.suppress(Exception):  # the parent is gone: nobody to tell
+                send(pipe, ("preempted", error.signum))
+        else:
+            send_error(pipe, error)
         code = 1
     finally:
         pipe.close()

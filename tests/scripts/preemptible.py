@@ -5,11 +5,14 @@ its step, the world saves ``RUN_DIR/checkpoints/step_N`` and exits with the
 code `sg.Preempted` documents. Rank 0 marks ``RUN_DIR/ready`` once it has
 trained a few steps (so the test signals a running loop) and writes the step
 it stopped at to ``RUN_DIR/preempted_at``. With UNTIL, a run that is not
-preempted stops after step UNTIL and writes ``RUN_DIR/resumed_from``.
+preempted stops after step UNTIL and writes ``RUN_DIR/resumed_from``. Every rank writes
+its pid to ``RUN_DIR/pid_RANK``. With ``PREEMPTIBLE_BACKGROUND=1`` in the environment the
+run saves in the background, every other step and at the signal.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -31,6 +34,8 @@ def train(strategy: sg.StrategyLike, ctx: sg.Context, run_dir: str, until: int) 
     if isinstance(loader, sg.ShardedLoader):  # single_device keeps the plain DataLoader
         state["loader"] = loader
     step = resumed = sg.resume_or_start(run / "checkpoints", state, strategy, ctx)["step"]
+    (run / f"pid_{ctx.rank}").write_text(str(os.getpid()))
+    background = os.environ.get("PREEMPTIBLE_BACKGROUND") == "1"
     with sg.on_preemption() as preemption:
         while not until or step < until:
             for (inputs,) in loader:
@@ -40,9 +45,15 @@ def train(strategy: sg.StrategyLike, ctx: sg.Context, run_dir: str, until: int) 
                 step += 1
                 if ctx.is_main and step == resumed + 3:
                     (run / "ready").write_text("")
-                if preemption.requested(ctx):
-                    state["step"] = step
-                    strategy.save(run / "checkpoints" / f"step_{step:06d}", state, ctx)
+                stopping = preemption.requested(ctx)
+                state["step"] = step
+                path = run / "checkpoints" / f"step_{step:06d}"
+                if background and (stopping or step % 2 == 0):
+                    # The last one too: teardown waits for it to commit.
+                    sg.checkpoint.save(path, state, ctx, blocking=False)
+                elif stopping:
+                    strategy.save(path, state, ctx)
+                if stopping:
                     if ctx.is_main:
                         (run / "preempted_at").write_text(str(step))
                     preemption.exit()

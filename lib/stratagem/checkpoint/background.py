@@ -16,6 +16,7 @@ its error if it failed and nobody waited.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import threading
 from pathlib import Path
@@ -179,4 +180,17 @@ def start(
     threading.Thread(target=finish, name="stratagem-save", daemon=True).start()
     _in_flight.append(handle)
     pending.at_teardown(_leave)
+    _settle_at_exit()
     return handle
+
+
+def _settle_at_exit() -> None:
+    # A script that ends right after save returns, with no teardown, would stop the writing
+    # thread mid-save (a daemon): the interpreter's exit waits for the commit instead.
+    global _exit_registered
+    if not _exit_registered:
+        atexit.register(settle)
+        _exit_registered = True
+
+
+_exit_registered = False
