@@ -151,7 +151,9 @@ def save(
         saved, ties = saved_state(entries, ctx, with_rng=rng)
     except UsageError as caught:
         error = caught
-    agree(ctx, error)
+    settings = {"path": str(target), "blocking": blocking, "rng": rng, "verify": verify}
+    settings |= {"checksums": checksums, "keep_last": keep_last, "entries": sorted(state)}
+    agree(ctx, error, settings, what="save")
     per_rank = {e.name for e in entries if e.kind in PER_RANK_KINDS} | ({RNG_KEY} if rng else set())
     if verify:
         # Plain values and objects by their values (their bytes also name each tensor's device).
