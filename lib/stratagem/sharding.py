@@ -2,10 +2,13 @@
 
 `shard_loader` rebuilds the user's DataLoader around a `ShardSampler` (or, for
 an ``IterableDataset``, strides over its batches with a `StreamStride`) and
-returns a `ShardedLoader` that advances the epoch at each pass, so shuffled
-epochs differ without a ``set_epoch`` call in the user's loop. The loader's
-position (epoch, samples consumed) is checkpointable state, so a resumed run
-continues in the middle of an epoch with the batches it would have seen.
+returns a `ShardedLoader`. Its epoch is the script's: a ``set_epoch`` call
+(on the loader, its sampler, or the user's own sampler or stream) chooses the
+next pass's, and without one each pass is followed by the next epoch, so
+shuffled epochs differ either way; a peek at one batch is not an epoch. The
+loader's position (epoch, samples consumed) is checkpointable state, so a
+resumed run continues in the middle of an epoch with the batches it would
+have seen.
 """
 
 from __future__ import annotations
@@ -175,7 +178,7 @@ class ShardSampler:
     )
 
     def set_epoch(self, epoch: int) -> None:
-        """Choose the permutation of the next pass."""
+        """Choose the permutation of the next pass (a `ShardedLoader` over it takes the choice)."""
         self.epoch = epoch
 
     def _kept(self) -> int:
@@ -251,9 +254,7 @@ class StreamStride:
     def set_epoch(self, epoch: int) -> None:
         """Record the epoch of the next pass and tell the dataset, if it listens."""
         self.epoch = epoch
-        forward = getattr(self.dataset, "set_epoch", None)
-        if callable(forward):
-            forward(epoch)
+        _tell_dataset(self.dataset, self.epoch)
 
     def select(self, batches: Iterable[T], skip: int = 0) -> Iterator[T]:
         """Yield this rank's batches of ``batches`` after the first ``skip`` global ones."""
@@ -269,6 +270,18 @@ class StreamStride:
                 kept = None
 
 
+def _tell_dataset(dataset: object, epoch: int) -> None:
+    forward = getattr(dataset, "set_epoch", None)
+    if callable(forward):
+        forward(epoch)
+
+
+def _epoch_of(holder: object) -> int | None:
+    """Return the epoch a sampler or dataset holds (``epoch``, as torch's samplers name it)."""
+    value = _index(getattr(holder, "epoch", None))
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 @attrs.define
 class _Pass:
     """Where the latest pass over a `ShardedLoader` stands."""
@@ -276,19 +289,43 @@ class _Pass:
     epoch: int
     start: int  # positions of the epoch's permutation consumed before this pass
     batches: int = 0  # batches this rank took in this pass
+    settled: bool = False  # the next pass's epoch no longer depends on this one
 
 
 _SAMPLERS = (ShardSampler, DistributedSampler, StreamStride)
 
 
+def _mirrored(loader: Any, attribute: object, epoch: int) -> int:
+    """Show a `ShardedLoader`'s next epoch on its sampler, if ours: another there is a choice."""
+    if isinstance(loader.sampler, (ShardSampler, StreamStride)):
+        loader.sampler.epoch = epoch
+    return epoch
+
+
 @attrs.define
 class ShardedLoader:
-    """A rank's DataLoader that starts a new epoch at every pass; its position is checkpointable.
+    """A rank's DataLoader that keeps the epoch as the script does; its position is checkpointable.
 
-    ``state_dict()`` is the position of the latest pass (``{"epoch", "consumed"}``:
-    positions of that epoch's permutation the world has consumed), or of the
-    next one once a pass ends; after ``load_state_dict`` the next pass resumes
-    there. A pass left before its end (``break``) counts as in progress.
+    The epoch rule (the same on every rank, so the ranks stay in step):
+
+    - ``set_epoch(e)`` (on this loader, on its ``.sampler``, or on the
+      ``DistributedSampler`` or stream dataset you gave ``shard``) chooses the
+      epoch of the next pass, as torch's ``DistributedSampler.set_epoch`` does;
+      calling it every epoch, or never, are both fine.
+    - Without a call, each pass that counts is followed by the next epoch, so
+      shuffled epochs differ with no ``set_epoch`` in the loop.
+    - A pass counts once it yields its second batch, or reaches its end. A
+      pass left after its first batch (a peek: ``next(iter(loader))``) is not
+      an epoch: the next pass starts that epoch over.
+    - After ``load_state_dict`` of a position in the middle of an epoch, the
+      next pass continues it; choosing another epoch before that pass raises,
+      rather than silently dropping the rest of the epoch.
+
+    ``state_dict()`` is the position of the pass in progress (``{"epoch",
+    "consumed"}``: positions of that epoch's permutation the world has
+    consumed), or of the next pass when none is; after ``load_state_dict``
+    the next pass resumes there. A pass left before its end (``break``)
+    counts as in progress until the next pass starts.
 
     Attributes:
         loader: the rebuilt DataLoader.
@@ -311,18 +348,106 @@ class ShardedLoader:
             hint="; strategy.shard(loader, ctx) builds them for you",
         )
     )
-    epoch: int = attrs.field(default=0, validator=non_negative_int("ShardedLoader.{name}"))
+    epoch: int = attrs.field(
+        default=0,
+        validator=non_negative_int("ShardedLoader.{name}"),
+        on_setattr=attrs.setters.pipe(attrs.setters.validate, _mirrored),
+    )
     _start: int = attrs.field(default=0, init=False)
     _pass: _Pass | None = attrs.field(default=None, init=False, repr=False)
+    # The epoch each sampler or dataset of the user's held when this loader last looked:
+    # a different one at the next pass is the user's set_epoch. (A ShardSampler or a
+    # StreamStride instead holds this loader's next epoch between passes: another is a choice.)
+    _seen: list[int | None] = attrs.field(factory=list, init=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._seen = [_epoch_of(h) for h in self._holders()]
+        _mirrored(self, None, self.epoch)
+
+    def _holders(self) -> list[object]:
+        """Return the user's own objects whose ``epoch`` a script may set instead of ours."""
+        if isinstance(self.sampler, DistributedSampler):
+            return [self.sampler]
+        if isinstance(self.sampler, StreamStride):
+            return [self.sampler.dataset]
+        return [] if self.sampler.source is None else [self.sampler.source]
+
+    def _choice(self) -> int | None:
+        """Take the epoch the user set on the sampler or dataset since the last pass, if any."""
+        choice = None
+        for index, holder in enumerate(self._holders()):
+            held = _epoch_of(holder)
+            if held is not None and held != self._seen[index]:
+                choice = held
+            self._seen[index] = held
+        ours = isinstance(self.sampler, (ShardSampler, StreamStride))
+        if ours and self.sampler.epoch != self.epoch:
+            choice = self.sampler.epoch
+        return choice
+
+    def _take_choice(self) -> None:
+        choice = self._choice()
+        if choice is not None:
+            self._choose(choice)
+
+    def _choose(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            if self._start > 0:
+                raise UsageError(
+                    f"ShardedLoader.set_epoch: the loader was restored in the middle of epoch "
+                    f"{self.epoch} ({self._start} positions consumed), and epoch {epoch} would "
+                    f"drop the rest of it; set epoch {self.epoch} to continue it, or "
+                    f"load_state_dict({{'epoch': {epoch}, 'consumed': 0}}) to start another."
+                )
+            self.epoch = epoch
+        if self._pass is not None:
+            self._pass.settled = True  # the user decided the next pass's epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch of the next pass; the passes after it go on from there.
+
+        Choosing the epoch a mid-epoch position was restored in keeps the
+        position (the next pass continues it).
+
+        Raises:
+            UsageError: ``epoch`` is not a non-negative int, or the loader was
+                restored in the middle of another epoch.
+        """
+        epoch = _index(epoch)  # type: ignore[assignment]
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+            raise UsageError(
+                f"ShardedLoader.set_epoch: 'epoch' must be a non-negative int "
+                f"(got {describe(epoch)})."
+            )
+        self._take_choice()  # an earlier choice on the sampler; this later one wins
+        self._choose(epoch)
 
     def __iter__(self) -> Iterator[Any]:
-        epoch, start = self.epoch, self._start
-        self.epoch, self._start = epoch + 1, 0
-        self._pass = _Pass(epoch, start)
+        self._take_choice()
+        self._pass = _Pass(self.epoch, self._start)
         return self._run(self._pass)
 
+    def _tell(self, epoch: int) -> None:
+        """Give the sampler (and a stream's dataset) the epoch of the pass that starts."""
+        if isinstance(self.sampler, DistributedSampler):
+            self.sampler.set_epoch(epoch)
+        else:
+            self.sampler.epoch = epoch  # not set_epoch: that is the user's choice
+            if isinstance(self.sampler, StreamStride):
+                _tell_dataset(self.sampler.dataset, epoch)
+        self._seen = [_epoch_of(h) for h in self._holders()]
+
+    def _settle(self, progress: _Pass) -> None:
+        """Count the pass: unless the user chose otherwise, the next pass is the next epoch."""
+        if self._pass is progress and not progress.settled:
+            self._start = 0  # this pass took over the restored position, whatever comes next
+            self._take_choice()  # one the user made during the pass settles it instead
+            if not progress.settled:
+                self.epoch = progress.epoch + 1
+        progress.settled = True
+
     def _run(self, progress: _Pass) -> Iterator[Any]:
-        self.sampler.set_epoch(progress.epoch)
+        self._tell(progress.epoch)
         batches: Iterator[Any]
         if isinstance(self.sampler, ShardSampler):
             self.sampler.start = progress.start
@@ -339,9 +464,17 @@ class ShardedLoader:
             batches = itertools.islice(
                 self.loader, progress.start // self._positions_per_batch(), None
             )
-        for batch in batches:
-            progress.batches += 1
-            yield batch
+        try:
+            for batch in batches:
+                progress.batches += 1
+                if progress.batches == 2:
+                    self._settle(progress)
+                yield batch
+        except GeneratorExit:
+            if progress.batches <= 1 and self._pass is progress:
+                self._pass = None  # a peek: the next pass starts this epoch over
+            raise
+        self._settle(progress)
         if self._pass is progress:
             self._pass = None
 
@@ -359,8 +492,13 @@ class ShardedLoader:
         return len(self.loader)
 
     def state_dict(self) -> dict[str, int]:
-        """Return the position: the epoch in progress (or next) and the positions consumed of it."""
+        """Return the position: the epoch in progress (or next) and the positions consumed of it.
+
+        Raises:
+            UsageError: the script set an epoch that would drop the rest of a restored one.
+        """
         if self._pass is None:
+            self._take_choice()
             return {"epoch": self.epoch, "consumed": self._start}
         consumed = self._pass.start + self._pass.batches * self._positions_per_batch()
         return {"epoch": self._pass.epoch, "consumed": consumed}
@@ -384,6 +522,7 @@ class ShardedLoader:
                 "ShardedLoader.load_state_dict: 'state' must hold non-negative ints 'epoch' and "
                 f"'consumed' (got {describe(dict(state))})."
             )
+        self._choice()  # an epoch set before the position is restored gives way to it
         self.epoch, self._start, self._pass = epoch, consumed, None  # type: ignore[assignment]
 
 
@@ -468,7 +607,8 @@ def shard_loader(loader: Iterable[T], ctx: Context) -> Iterable[T]:
     ``random`` or numpy unseeded) is refused, as the ranks could not agree.
 
     A loader whose sampler is already distributed is only wrapped so that its
-    epoch advances. A loader over an ``IterableDataset`` is kept as it is and
+    epoch advances (from the one it holds) unless the script sets it. A
+    loader over an ``IterableDataset`` is kept as it is and
     strided by batch (`StreamStride`): every rank reads the whole stream, keeps
     every ``world_size``-th batch, and the incomplete last round (at most
     ``world_size - 1`` batches) goes to no rank; the epoch reaches the
@@ -491,7 +631,7 @@ def shard_loader(loader: Iterable[T], ctx: Context) -> Iterable[T]:
     rank, world_size = ctx.data_parallel
     check_not_empty(loader)
     if isinstance(loader.sampler, (ShardSampler, DistributedSampler)):
-        return ShardedLoader(loader=loader, sampler=loader.sampler)
+        return ShardedLoader(loader=loader, sampler=loader.sampler, epoch=loader.sampler.epoch)
     if isinstance(loader.dataset, IterableDataset):
         stride = StreamStride(loader.dataset, rank=rank, world_size=world_size)
         return ShardedLoader(loader=loader, sampler=stride)

@@ -3,12 +3,14 @@
 ``save(path, state, ctx)`` writes a directory; ``load(path, state, ctx)``
 restores modules, optimizers and objects in place and returns the plain
 values; ``describe(path)`` lists what a checkpoint holds; ``latest(dir)``
-finds the newest one; ``per_rank(value)`` marks an entry each rank saves and
+finds the newest one; ``exists(path)`` says whether there is one to load
+(rather than ``os.path.exists``); ``per_rank(value)`` marks an entry each rank saves and
 restores for itself (every other entry is saved from rank 0). See
 ``docs/checkpoints.md``.
 """
 
 from stratagem.checkpoint.background import PendingSave as PendingSave
+from stratagem.checkpoint.directory import exists as exists
 from stratagem.checkpoint.directory import latest as latest
 from stratagem.checkpoint.entries import PerRank as PerRank
 from stratagem.checkpoint.entries import per_rank as per_rank
@@ -28,6 +30,7 @@ __all__ = [
     "PerRank",
     "TensorInfo",
     "describe",
+    "exists",
     "latest",
     "load",
     "per_rank",

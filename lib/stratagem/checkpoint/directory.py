@@ -5,16 +5,27 @@ A checkpoint at ``path`` is a directory holding the files of
 writing rank) and ``stratagem.json``, the manifest, written last. The names
 beside it tell what a save was doing when it stopped:
 
-- ``path.tmp-<token>``: a save in progress (or one that died); never read.
-- ``path.old-<token>``: the previous checkpoint, moved aside while the new
-  one is renamed into place.
+- ``path.tmp-<token>``: a save in progress (or one that died), or the
+  previous checkpoint after the commit swapped it out; never read.
+- ``path.old-<token>``: the previous checkpoint, moved aside by a commit
+  that could not swap (below); read while there is no ``path``.
 
-A save commits in three renames and removals, each safe to interrupt:
+A save commits so that ``path`` always names a complete checkpoint:
 
 1. write ``path.tmp-T`` (every rank), then its manifest (rank 0);
-2. rename ``path`` to ``path.old-T`` (if there is one), rename ``path.tmp-T``
-   to ``path``;
-3. remove ``path.old-T`` (its manifest first), then leftovers of earlier saves.
+2. swap ``path.tmp-T`` and ``path`` in one atomic step (Linux
+   ``renameat2(RENAME_EXCHANGE)``), or rename ``path.tmp-T`` to ``path``
+   when there is no ``path`` yet;
+3. remove the previous checkpoint, now at ``path.tmp-T`` (its manifest
+   first), then leftovers of earlier saves.
+
+Where the swap is refused (not Linux, or a file system without it, such as
+NFS) step 2 is two renames: ``path`` to ``path.old-T``, then ``path.tmp-T``
+to ``path``. A crash between them leaves no ``path``: `resolve`, `latest`
+and `exists` then find the previous checkpoint at ``path.old-T`` (so
+``os.path.exists(path)`` is not the test to use there), and the next save
+puts it back at ``path`` before it writes anything, so it stays until a new
+version is committed.
 
 One save at a time writes to a path: rank 0 holds an exclusive ``flock`` on
 ``path.lock`` (it names the owner) from before step 1 to after step 3, and a
@@ -25,11 +36,10 @@ meanwhile cannot give it another version's files. Symbolic links are never
 followed when listing or removing checkpoints: one where a checkpoint is
 listed is skipped, and a save whose path is a link is refused.
 
-A crash in 1 leaves ``path`` untouched. A crash between the two renames of 2
-leaves no ``path``, and `resolve` then finds the previous checkpoint at
-``path.old-T``: loading gives the previous checkpoint until a later save
-succeeds. A crash in 3 leaves the new checkpoint at ``path`` and garbage that
-the next save removes. A directory without a manifest is never read.
+A crash in 1 leaves ``path`` untouched. A crash in 2 leaves ``path`` as the
+previous checkpoint or the new one, each whole. A crash in 3 leaves the new
+checkpoint at ``path`` and garbage that the next save removes. A directory
+without a manifest is never read.
 
 Its files are untrusted. DCP writes its ``.metadata`` with plain ``pickle`` and
 reads it back with ``pickle.load``, which runs whatever a tampered file asks
@@ -42,6 +52,7 @@ modules and optimizers) are stored as ``torch.save`` bytes and read back with
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import io
@@ -78,6 +89,7 @@ __all__ = [
     "discard",
     "disk_full",
     "encode",
+    "exists",
     "latest",
     "pinned",
     "read_metadata",
@@ -104,9 +116,56 @@ def _ignore(stage: str) -> None:
 
 # Called with the name of each stage of a save: "writing" and "written" on every rank ("staging"
 # first for a save with blocking=False, which calls "written" on its background thread), then
-# "manifest", "moved-aside", "committed", "discarding" on rank 0. Crash tests replace it to
-# kill the process there; nothing else should.
+# "manifest", ("moved-aside" where the commit cannot swap), "committed", "discarding" on rank
+# 0. Crash tests replace it to kill the process there; nothing else should.
 stage_hook: Callable[[str], None] = _ignore
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+# What renameat2 answers where the kernel, the C library or the file system cannot swap.
+_NO_SWAP = {errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV}
+
+
+@cache
+def _renameat2() -> Any:
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):  # not Linux, or a C library older than glibc 2.28
+        return None
+    function.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
+    function.restype = ctypes.c_int
+    return function
+
+
+def _swap(first: Path, second: Path) -> bool:
+    """Exchange two directories' names in one atomic step; False where that is not possible.
+
+    Raises:
+        OSError: the swap was possible but failed (a permission, a vanished directory).
+    """
+    function = _renameat2()
+    if function is None:
+        return False
+    result = function(
+        _AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE
+    )
+    if result == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in _NO_SWAP:
+        return False
+    raise OSError(code, os.strerror(code), os.fspath(first), None, os.fspath(second))
+
+
+# How a commit exchanges the new version with the previous one. Tests replace it with one that
+# answers False to exercise the two renames of a file system that cannot swap; nothing else should.
+swap: Callable[[Path, Path], bool] = _swap
 
 
 @attrs.frozen
@@ -320,6 +379,46 @@ def resolve(target: Path) -> Found:
     return previous
 
 
+def exists(path: str | os.PathLike[str]) -> bool:
+    """Return whether ``path`` names a checkpoint that `load` would read.
+
+    Use it instead of ``os.path.exists(path)``: where a save was interrupted
+    between the two renames of a file system that cannot swap directories,
+    the previous checkpoint is kept beside ``path`` (``path.old-*``) and there
+    is nothing at ``path`` itself until the next save puts it back.
+
+    Returns:
+        True for a complete checkpoint at ``path`` (or kept beside it); False
+        when there is none, or ``path`` is an empty directory.
+
+    Raises:
+        UsageError: ``path`` is not a str or path-like.
+        CheckpointError: ``path`` holds something that is not a complete,
+            unaltered checkpoint (loading it would fail; starting afresh would
+            hide that).
+
+    Example:
+        >>> import tempfile, torch, stratagem as sg
+        >>> path = tempfile.mkdtemp() + "/snapshot"
+        >>> sg.checkpoint.exists(path)
+        False
+        >>> ctx = sg.single_device("cpu").setup(sg.Env())
+        >>> sg.checkpoint.save(path, {"model": torch.nn.Linear(2, 1), "epoch": 4}, ctx)
+        >>> sg.checkpoint.exists(path)
+        True
+    """
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise UsageError(f"exists: 'path' must be a str or os.PathLike (got {describe(path)}).")
+    target = Path(path)
+    if target.is_dir() and not target.is_symlink() and not any(target.iterdir()):
+        return False
+    try:
+        resolve(target)
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def discard(directory: Path) -> None:
     """Remove a checkpoint directory, its manifest first, so a partial removal is never read.
 
@@ -394,6 +493,21 @@ def _claim(target: Path) -> int:
     return fd
 
 
+def _put_back(target: Path) -> None:
+    """Rename the previous version an interrupted commit moved aside back to ``target``.
+
+    Only under the lock, so no live save is between its renames. Until the
+    new version is committed, ``target`` then names the only complete version
+    again, rather than a ``.old-`` name the next commit would remove.
+    """
+    if target.exists() or target.is_symlink():
+        return
+    previous = _newest(_siblings(target, _OLD))
+    if previous is not None:
+        os.rename(previous.directory, target)
+        _fsync_directory(target.parent)
+
+
 def begin(target: Path, token: str) -> Path:
     """Lock saves to ``target`` and make the directory this one writes to (rank 0).
 
@@ -404,6 +518,7 @@ def begin(target: Path, token: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd = _claim(target)
     try:
+        _put_back(target)
         _replaceable(target)
         tmp = temporary(target, token)
         tmp.mkdir()
@@ -434,10 +549,11 @@ def abandon(tmp: Path, target: Path) -> None:
 
 
 def commit(tmp: Path, target: Path, manifest: dict[str, Any], keep_last: int | None) -> None:
-    """Write the manifest into ``tmp``, rename ``tmp`` to ``target`` (rank 0, once all ranks wrote).
+    """Write the manifest into ``tmp``, swap ``tmp`` into ``target`` (rank 0, once all ranks wrote).
 
-    Leftovers of earlier saves (none of them live: this save holds the lock) go
-    afterwards, and the lock with them.
+    The previous version (swapped out to ``tmp``) and leftovers of earlier
+    saves (none of them live: this save holds the lock) go afterwards, and
+    the lock with them.
 
     Raises:
         CheckpointError: ``target`` exists and is not a checkpoint (it is never replaced).
@@ -453,17 +569,19 @@ def commit(tmp: Path, target: Path, manifest: dict[str, Any], keep_last: int | N
         }
         _write_manifest(tmp, manifest)
         stage_hook("manifest")
-        aside = None
-        if target.exists():
+        if not target.exists():
+            os.rename(tmp, target)
+        # One atomic step puts the new version at target and the previous one at tmp (removed
+        # below); a file system that cannot swap gets two renames, with a window between them.
+        elif not swap(tmp, target):
             aside = target.with_name(f"{target.name}{_OLD}{manifest['version']}")
             os.rename(target, aside)
             stage_hook("moved-aside")
-        try:
-            os.rename(tmp, target)
-        except BaseException:
-            if aside is not None:
+            try:
+                os.rename(tmp, target)
+            except BaseException:
                 os.rename(aside, target)  # put the previous checkpoint back
-            raise
+                raise
         _fsync_directory(target.parent)
         stage_hook("committed")
         for leftover in [*_siblings(target, _OLD), *_siblings(target, _TMP)]:
