@@ -67,3 +67,23 @@ def test_per_rank_seeds_add_the_rank():
 def test_bad_seeds_are_refused_naming_the_argument(call, message):
     with pytest.raises(sg.UsageError, match=message):
         call()
+
+
+def test_resume_or_start_can_keep_this_runs_rng(tmp_path):
+    # Before: no rng= (a script that re-seeds after loading could not be matched).
+    strategy = sg.single_device("cpu")
+    ctx = strategy.setup(sg.Env())
+    torch.manual_seed(1)
+    model = torch.nn.Linear(2, 1)
+    sg.checkpoint.save(tmp_path / "step_1", {"model": model, "step": 1}, ctx)
+    after_save = torch.rand(3)
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    loaded = sg.resume_or_start(tmp_path, {"model": model, "step": 0}, strategy, ctx, rng=False)
+    assert loaded["step"] == 1
+    assert torch.equal(torch.rand(3), expected)  # this run's generator, untouched
+    sg.resume_or_start(tmp_path, {"model": model, "step": 0}, strategy, ctx)
+    assert torch.equal(torch.rand(3), after_save)  # the default restores the checkpoint's
+    with pytest.raises(sg.UsageError, match=r"'rng' must be True or False \(got 'no', a str\)"):
+        sg.resume_or_start(tmp_path, {"model": model}, strategy, ctx, rng="no")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from stratagem.checkpoint.directory import latest
-from stratagem.checkpoint.entries import classify
+from stratagem.checkpoint.entries import capture_rng, classify, restore_rng
 from stratagem.checkpoint.rank_zero import on_main
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
@@ -32,6 +32,8 @@ def resume_or_start(
     state: Mapping[str, Any],
     strategy: StrategyLike,
     ctx: Context,
+    *,
+    rng: bool = True,
 ) -> dict[str, Any]:
     """Load the newest complete checkpoint in ``directory`` into ``state``, if there is one.
 
@@ -46,6 +48,9 @@ def resume_or_start(
         state: what the run saves, by name, as it passes it to ``save``.
         strategy: the strategy whose ``load`` reads the checkpoint.
         ctx: the joined world; every rank must call it.
+        rng: restore the checkpoint's RNG states (default). ``False`` keeps this
+            run's, for a script that re-seeds after loading (as ``load(...,
+            rng=False)`` does), whatever ``strategy.load`` restores.
 
     Returns:
         The plain values (and this rank's per-rank values) of the checkpoint
@@ -80,6 +85,8 @@ def resume_or_start(
             "arguments are (directory, state, strategy, ctx)."
         )
     check_context(ctx, "resume_or_start")
+    if not isinstance(rng, bool):
+        raise UsageError(f"resume_or_start: 'rng' must be True or False (got {describe(rng)}).")
     entries = classify(state, "resume_or_start")
     found = on_main(ctx, lambda: latest(directory))
     if found is None:
@@ -88,5 +95,8 @@ def resume_or_start(
         return {e.name: e.target for e in entries if e.kind in ("value", "per_rank_value")}
     if ctx.is_main:
         logger.info("resume_or_start: resuming from %s", found)
+    kept = None if rng else capture_rng(ctx.device)
     values: dict[str, Any] = strategy.load(Path(found), state, ctx)
+    if kept is not None:
+        restore_rng(kept, ctx.device)
     return values
