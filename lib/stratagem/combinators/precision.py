@@ -8,6 +8,7 @@ from typing import Any, Literal, get_args
 import attrs
 import torch
 
+from stratagem import collectives
 from stratagem.combinators._base import (
     CombinatorError,
     OptimizerHook,
@@ -95,6 +96,16 @@ class PrecisionSetup:
     inner: SetupFn
     precision: str
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype this precision computes in (what the testing kit derives tolerances from)."""
+        return _DTYPES[self.precision]
+
+    @property
+    def mixed(self) -> bool:
+        """Whether parameters stay float32 and only the forward runs in ``dtype`` (autocast)."""
+        return _mixed(self.precision)
+
     def __call__(self, env: Env) -> Context:
         ctx = self.inner(env)
         _check_device(self.precision, ctx.device)
@@ -176,8 +187,7 @@ class ScaledUpdate:
 
         def on_step(step: Callable[[], Any]) -> Any:
             state.unscale(optimizer)
-            grads = gradients(optimizer)
-            finite = not grads or bool(torch.stack([g.isfinite().all() for g in grads]).all())
+            finite = _all_finite(gradients(optimizer), ctx)
             # An overflow (or a NaN loss) skips the step, as GradScaler does; the scale backs off.
             result = step() if finite else None
             state.skipped += not finite
@@ -187,6 +197,24 @@ class ScaledUpdate:
             return result
 
         self.inner(OptimizerHook(optimizer, on_step), module, ctx)  # type: ignore[arg-type]
+
+
+def _all_finite(grads: list[torch.Tensor], ctx: Context) -> bool:
+    """Whether every gradient is finite, on every rank that holds a shard of it.
+
+    Replicated gradients (DDP's, averaged) are the same everywhere; sharded ones
+    (FSDP's, tensor parallel's DTensors) are checked shard by shard, so the ranks
+    agree in one small reduction, as ``ShardedGradScaler`` does: one rank
+    skipping a step the others take would leave the shards at different steps.
+    """
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    finite = not local or bool(torch.stack([g.isfinite().all() for g in local]).all())
+    if not any(hasattr(g, "to_local") for g in grads):
+        return finite
+    if not collectives.is_distributed(ctx):
+        return finite
+    flag = torch.tensor([0.0 if finite else 1.0], device=local[0].device if local else ctx.device)
+    return collectives.reduce(flag, "max", ctx).item() == 0.0
 
 
 def _with_fsdp_policy(wrap: Any, precision: str, name: str) -> Any:

@@ -21,6 +21,7 @@ from stratagem.testing import laws
 from stratagem.testing.contract import Contract
 from stratagem.testing.laws.parallel import OptimizerFactory, adamw, sgd_momentum
 from stratagem.testing.modules import default_modules, mlp
+from stratagem.testing.tolerances import compute_dtype
 from stratagem.testing.world import World
 
 __all__ = ["LAWS", "Report", "check_all", "default_module"]
@@ -40,6 +41,7 @@ LAWS: tuple[str, ...] = (
     "ranks-in-sync",
     "purity",
     "step-autocast",
+    "precision-close-to-float32",
     "checkpoint-round-trip",
     "checkpoint-strict",
     "shard-partition",
@@ -124,9 +126,16 @@ def check_all(
     the derived reference (several steps, each optimizer, each module: by
     default a plain MLP, one with BatchNorm and one with tied weights),
     ``no_sync`` (on more than one rank), purity, autocast in ``step`` when the
-    strategy has a mixed precision, the checkpoint round trip (portable to
-    ``portable_to`` when given) and strict loading, and the partition that
-    ``shard`` deals. On one rank, the collectives must be identities.
+    strategy has a mixed precision, training close to float32 when it computes
+    in another dtype, the checkpoint round trip (portable to ``portable_to``
+    when given) and strict loading, and the partition that ``shard`` deals. On
+    one rank, the collectives must be identities.
+
+    Tolerances follow the precision the stack applied (`with_precision`, or an
+    ``fsdp()`` ``mp_policy``): each law derives its own
+    (`stratagem.testing.tolerances`), so a precision stack needs no `Contract`
+    for them. Results are compared on the CPU whatever device the strategy
+    trains on; the data each rank trains on follows the strategy's device.
 
     Args:
         strategy: the record to check (its fields must be picklable: module-level
@@ -141,7 +150,8 @@ def check_all(
         reference: the one-process strategy the training laws compare with
             (derived from ``strategy`` when it is built from stratagem's parts).
         contract: what ``strategy`` promises (`Contract`): synchronisation
-            period, buffers, tolerances.
+            period, buffers, tolerances (derived from the precision where it
+            names none).
         skip: laws that do not apply, by name, each with the reason (kept in the report).
         portable_to: a single-process strategy that must load the checkpoints.
         directory: where the checkpoint law writes (a temporary directory when omitted).
@@ -190,7 +200,7 @@ def check_all(
         run("broadcast-from-every-source", laws.check_broadcast, strategy, values, world=running)
         first = next(iter(trained.values()))
         run("wrap-preserves", laws.check_wrap, strategy, first, data, world=running,
-            tolerance=terms.atol)  # fmt: skip
+            tolerance=terms.atol, rtol=terms.rtol)  # fmt: skip
         training = {"world": running, "reference": reference, "contract": terms}
         for model in trained.values():
             for optimizer in optimizers:
@@ -208,6 +218,9 @@ def check_all(
             dtype = torch.bfloat16 if precision.precision.startswith("bf16") else torch.float16
             run("step-autocast", laws.check_step_autocast, strategy, first, data, dtype,
                 world=running)  # fmt: skip
+        if compute_dtype(strategy) != torch.float32:
+            run("precision-close-to-float32", laws.check_precision, strategy, first, data,
+                world=running, reference=reference, contract=terms)  # fmt: skip
         for model in trained.values():
             run("checkpoint-round-trip", laws.check_checkpoint_round_trip, strategy, model, data,
                 world=running, portable_to=portable_to, directory=directory,

@@ -18,7 +18,12 @@ _OPTIMIZER_STATES: tuple[str, ...] = get_args(OptimizerState)
 
 _OWNER = "Contract: '{name}'"
 _FLAG = a_bool(_OWNER)
-_TOLERANCE = field(lambda v: is_number(v) and v >= 0, _OWNER, "a finite number >= 0")
+_TOLERANCE = field(
+    lambda v: is_number(v) and v >= 0,
+    _OWNER,
+    "a finite number >= 0",
+    optional="None (derived from the precision the strategy computes in)",
+)
 _BUFFERS_CHOICE = choice(_OWNER, _BUFFERS, subclasses=True, optional="None (read off the strategy)")
 _STATE_CHOICE = choice(_OWNER, _OPTIMIZER_STATES, subclasses=True)
 _SYNC_EVERY = field(
@@ -56,10 +61,14 @@ class Contract:
             need not broadcast; the laws then start every rank from the same
             weights (by default rank ``r > 0`` starts from other weights, and
             ``wrap`` must give it rank 0's).
-        rtol: relative tolerance of every comparison with the reference
-            (float32 sums in another order differ in their last bits, and a few
-            optimizer steps carry that on).
-        atol: absolute tolerance of every comparison with the reference.
+        rtol: relative tolerance of every comparison with the reference;
+            None (the default) derives it from the precision the strategy
+            computes in (`stratagem.testing.tolerances`): ``1e-4`` in float32
+            (sums in another order differ in their last bits, and a few
+            optimizer steps carry that on), a few units of bfloat16's or
+            float16's epsilon under a precision that computes in them.
+        atol: absolute tolerance of every comparison with the reference; None
+            derives it as ``rtol`` is (``1e-5`` in float32).
         exact: demand bit-for-bit equality (``rtol`` and ``atol`` of 0).
 
     Example:
@@ -71,10 +80,18 @@ class Contract:
     buffers: Buffers | None = attrs.field(default=None, validator=_BUFFERS_CHOICE)
     optimizer_state: OptimizerState = attrs.field(default="replicated", validator=_STATE_CHOICE)
     synced_init: bool = attrs.field(default=False, validator=_FLAG)
-    rtol: float = attrs.field(default=1e-4, validator=_TOLERANCE)
-    atol: float = attrs.field(default=1e-5, validator=_TOLERANCE)
+    rtol: float | None = attrs.field(default=None, validator=_TOLERANCE)
+    atol: float | None = attrs.field(default=None, validator=_TOLERANCE)
     exact: bool = attrs.field(default=False, validator=_FLAG)
 
-    def tolerances(self) -> tuple[float, float]:
-        """Return ``(rtol, atol)``, both 0 when ``exact``."""
-        return (0.0, 0.0) if self.exact else (self.rtol, self.atol)
+    def tolerances(self, derived: tuple[float, float] = (1e-4, 1e-5)) -> tuple[float, float]:
+        """Return ``(rtol, atol)``: both 0 when ``exact``; else each as given, or ``derived``'s.
+
+        ``derived`` is what the law derived from the strategy's precision
+        (`stratagem.testing.tolerances.law_tolerances`); float32's by default.
+        """
+        if self.exact:
+            return (0.0, 0.0)
+        rtol = self.rtol if self.rtol is not None else derived[0]
+        atol = self.atol if self.atol is not None else derived[1]
+        return (float(rtol), float(atol))

@@ -19,12 +19,14 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+import torch
 
-from stratagem.combinators._base import peel, rebased
+from stratagem.combinators._base import applied, peel, rebased
 from stratagem.combinators.accumulation import AccumulationSetup
 from stratagem.combinators.tensor_parallel import TensorParallelWrap
 from stratagem.combinators.tracing import Traced
 from stratagem.strategies.ddp import WrapDDP
+from stratagem.strategies.fsdp_units import WrapFSDP
 from stratagem.strategies.single import single_device
 from stratagem.strategy import FIELD_SIGNATURES, Strategy, StrategyLike
 from stratagem.testing.contract import Buffers, Contract
@@ -68,9 +70,42 @@ def undistributed(strategy: StrategyLike, *, every: int | None = None) -> Strate
         changes[name] = rebased(kept, getattr(plain, name))
     for name, value in list(changes.items()):
         changes[name] = _relinked(value, others, changes)
+    if _norms_in_float32(strategy):
+        changes["wrap"] = NormsInFloat32(changes["wrap"])
     return attrs.evolve(
         plain, name=f"{getattr(strategy, 'name', 'strategy')} on one process", **changes
     )
+
+
+def _norms_in_float32(strategy: StrategyLike) -> bool:
+    """Whether ``strategy``'s fsdp wrap computes BatchNorm in float32 under a low ``mp_policy``."""
+    fsdp = applied(strategy, WrapFSDP)
+    param_dtype = getattr(getattr(fsdp, "mp_policy", None), "param_dtype", None)
+    return param_dtype is not None and param_dtype != torch.float32
+
+
+def _inputs_in_float32(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                 for a in args)  # fmt: skip
+
+
+@attrs.frozen
+class NormsInFloat32:
+    """Reference wrap: every BatchNorm takes float32 inputs, as under fsdp's mixed precision.
+
+    Under a low-precision ``mp_policy`` each BatchNorm is an FSDP group of its
+    own that computes in float32 (its inputs cast up); autocast alone would run
+    it in the low dtype, a difference of the stack, not of its distribution.
+    """
+
+    inner: Any
+
+    def __call__(self, module: torch.nn.Module, ctx: Any) -> torch.nn.Module:
+        wrapped: torch.nn.Module = self.inner(module, ctx)
+        for norm in wrapped.modules():
+            if isinstance(norm, torch.nn.modules.batchnorm._BatchNorm):  # noqa: SLF001
+                norm.register_forward_pre_hook(_inputs_in_float32)
+        return wrapped
 
 
 def _combinator_layers(layers: list[Any]) -> list[Any]:

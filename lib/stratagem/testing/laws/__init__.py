@@ -26,6 +26,7 @@ from stratagem.testing.laws.parallel import check_accumulation as check_accumula
 from stratagem.testing.laws.parallel import check_data_parallel_step as check_data_parallel_step
 from stratagem.testing.laws.parallel import sgd as sgd
 from stratagem.testing.laws.parallel import sgd_momentum as sgd_momentum
+from stratagem.testing.laws.precision import check_precision as check_precision
 from stratagem.testing.laws.sharding import check_shard_partition as check_shard_partition
 from stratagem.testing.laws.state import first_difference as first_difference
 from stratagem.testing.laws.state import snapshot as snapshot
@@ -45,6 +46,7 @@ __all__ = [
     "check_data_parallel_step",
     "check_gather",
     "check_no_sync",
+    "check_precision",
     "check_purity",
     "check_ranks_in_sync",
     "check_reduce",

@@ -6,6 +6,7 @@ import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
 import torch
 
 from stratagem.checkpoint import unwrap
@@ -17,9 +18,13 @@ __all__ = [
     "LawViolation",
     "full_parameters",
     "max_difference",
+    "on_device",
+    "on_host",
     "own_share",
     "run_on",
+    "same",
     "summarize",
+    "within",
 ]
 
 
@@ -73,13 +78,40 @@ def summarize(value: Any) -> str:
     return repr(value)
 
 
+def on_host(tree: Any) -> Any:
+    """Return ``tree`` with every tensor detached and on the CPU: what the laws compare.
+
+    A strategy that trains on a GPU returns its results there; the laws compare
+    them with values made on the CPU, so every comparison happens on the CPU.
+    """
+    return map_tensors(lambda t: t.detach().cpu(), tree)
+
+
+def on_device(tree: Any, ctx: Any) -> Any:
+    """Return ``tree`` with every tensor on ``ctx.device``: the kit's data follows the strategy."""
+    return map_tensors(lambda t: t.to(ctx.device), tree)
+
+
 def max_difference(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Largest absolute elementwise difference (infinite when shapes differ)."""
+    """Largest absolute elementwise difference (infinite when shapes differ), on the CPU."""
     if a.shape != b.shape:
         return float("inf")
     if a.numel() == 0:
         return 0.0
-    return float((a.detach().double() - b.detach().double()).abs().max())
+    return float((a.detach().cpu().double() - b.detach().cpu().double()).abs().max())
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same values in the same shape and dtype, wherever each lives."""
+    return a.dtype == b.dtype and torch.equal(a.detach().cpu(), b.detach().cpu())
+
+
+def within(ours: torch.Tensor, theirs: torch.Tensor, *, rtol: float, atol: float) -> bool:
+    """Whether ``|ours - theirs| <= atol + rtol * |theirs|`` everywhere, compared on the CPU."""
+    if ours.shape != theirs.shape:
+        return False
+    a, b = ours.detach().cpu().double(), theirs.detach().cpu().double()
+    return bool(torch.isclose(a, b, rtol=rtol, atol=atol, equal_nan=True).all())
 
 
 def full_parameters(module: torch.nn.Module) -> list[torch.Tensor]:
@@ -99,11 +131,27 @@ def run_on(
     strategy: StrategyLike,
     *args: Any,
 ) -> list[Any]:
-    """Run ``fn`` on ``world``, or on a `World` of ``world_size`` started for this call."""
+    """Run ``fn`` on ``world`` (or a `World` of ``world_size`` started for this call).
+
+    Each rank moves its result's tensors to the CPU before sending them, so a
+    law compares on the CPU whatever device the strategy trains on, and the
+    parent process never touches a GPU.
+    """
+    hosted = _OnHost(fn)
     if world is not None:
-        return world.run(fn, strategy, *args)
+        return world.run(hosted, strategy, *args)
     with World(world_size) as fresh:
-        return fresh.run(fn, strategy, *args)
+        return fresh.run(hosted, strategy, *args)
+
+
+@attrs.frozen
+class _OnHost:
+    """``fn`` with its result's tensors moved to the CPU (an attrs callable: it pickles)."""
+
+    fn: Callable[..., Any]
+
+    def __call__(self, *args: Any) -> Any:
+        return on_host(self.fn(*args))
 
 
 def fresh_copy(module: torch.nn.Module) -> torch.nn.Module:
@@ -131,12 +179,14 @@ def first_mismatch(
 
 
 def own_share(batch: Any, ctx: Any) -> Any:
-    """Return this rank's part of ``batch`` (every tensor in it), by ``ctx.data_parallel``.
+    """Return this rank's part of ``batch`` (every tensor in it, on ``ctx.device``).
+
+    The part is ``ctx.data_parallel``'s; the kit's data follows the strategy's device.
 
     The ranks of a tensor-parallel group hold parts of one model and take the same part.
     """
     index, size = ctx.data_parallel
-    return map_tensors(lambda t: t.chunk(size)[index], batch)
+    return map_tensors(lambda t: t.chunk(size)[index].to(ctx.device), batch)
 
 
 def shares(batch: torch.Tensor, world_size: int) -> list[torch.Tensor]:

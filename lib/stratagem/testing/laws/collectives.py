@@ -10,7 +10,7 @@ import torch
 from stratagem.errors import UsageError
 from stratagem.fields import ReduceOp
 from stratagem.strategy import StrategyLike
-from stratagem.testing.laws._core import LawViolation, max_difference, run_on, summarize
+from stratagem.testing.laws._core import LawViolation, max_difference, run_on, same, summarize
 from stratagem.testing.world import World
 
 __all__ = [
@@ -31,6 +31,18 @@ def _world_size(values: Sequence[torch.Tensor], world: World | None) -> int:
     return len(values)
 
 
+def _placed(value: torch.Tensor, ctx: Any) -> list[tuple[str, torch.Tensor]]:
+    """Return the value as given and, where the strategy trains elsewhere, on its device.
+
+    On a GPU world a collective carries both: CPU tensors over the CPU group beside
+    the world's (`stratagem.collectives.host_group`), device tensors over the world's.
+    """
+    placed = [(str(value.device), value)]
+    if torch.device(ctx.device) != value.device:
+        placed.append((str(ctx.device), value.to(ctx.device)))
+    return placed
+
+
 def _tolerance(dtype: torch.dtype, expected: torch.Tensor, world_size: int) -> float:
     if not dtype.is_floating_point or expected.numel() == 0:
         return 0.0
@@ -49,11 +61,13 @@ def _expected(values: Sequence[torch.Tensor], op: str) -> torch.Tensor:
 
 def _reduce_rank(
     strategy: StrategyLike, ctx: Any, values: Sequence[torch.Tensor], op: ReduceOp
-) -> Any:
-    mine = values[ctx.rank]
-    before = mine.clone()
-    result = strategy.reduce(mine, op, ctx)
-    return result, torch.equal(mine, before)
+) -> list[tuple[str, torch.Tensor, bool]]:
+    out = []
+    for where, mine in _placed(values[ctx.rank], ctx):
+        before = mine.clone()
+        result = strategy.reduce(mine, op, ctx)
+        out.append((where, result, torch.equal(mine, before)))
+    return out
 
 
 def check_reduce(
@@ -80,10 +94,15 @@ def check_reduce(
     results = run_on(world, world_size, _reduce_rank, strategy, list(values), op)
     expected = _expected(values, op)
     inputs = f"op={op!r}, values={summarize(list(values))}"
-    for rank, (result, unchanged) in enumerate(results):
+    for rank, (where, result, unchanged) in (
+        (rank, placed) for rank, per_rank in enumerate(results) for placed in per_rank
+    ):
         if not unchanged:
             raise LawViolation(
-                "reduce-leaves-input", strategy, inputs, f"rank {rank}'s input was modified"
+                "reduce-leaves-input",
+                strategy,
+                inputs,
+                f"rank {rank}'s input (on {where}) was modified",
             )
         dtype = values[rank].dtype
         if result.dtype != dtype or result.shape != values[rank].shape:
@@ -91,7 +110,8 @@ def check_reduce(
                 "reduce-arithmetic",
                 strategy,
                 inputs,
-                f"rank {rank} returned {summarize(result)}, expected dtype {dtype} and shape "
+                f"rank {rank} returned {summarize(result)} (input on {where}), expected dtype "
+                f"{dtype} and shape "
                 f"{tuple(values[rank].shape)}",
             )
         target = expected.to(dtype) if not dtype.is_floating_point else expected
@@ -101,16 +121,20 @@ def check_reduce(
                 "reduce-arithmetic",
                 strategy,
                 inputs,
-                f"rank {rank} returned {summarize(result)}, but {op} over the ranks is "
+                f"rank {rank} returned {summarize(result)} (input on {where}), but {op} over the "
+                "ranks is "
                 f"{summarize(target.to(dtype))} (max difference {difference:g})",
             )
 
 
 def _twice_rank(
     strategy: StrategyLike, ctx: Any, values: Sequence[torch.Tensor], op: ReduceOp
-) -> Any:
-    once = strategy.reduce(values[ctx.rank], op, ctx)
-    return once, strategy.reduce(once, op, ctx)
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    out = []
+    for _, mine in _placed(values[ctx.rank], ctx):
+        once = strategy.reduce(mine, op, ctx)
+        out.append((once, strategy.reduce(once, op, ctx)))
+    return out
 
 
 def check_reduce_idempotent(
@@ -129,9 +153,8 @@ def check_reduce_idempotent(
     if op == "sum":
         raise UsageError("check_reduce_idempotent: 'sum' is not idempotent; use mean, max or min.")
     world_size = _world_size(values, world)
-    for rank, (once, twice) in enumerate(
-        run_on(world, world_size, _twice_rank, strategy, list(values), op)
-    ):
+    results = run_on(world, world_size, _twice_rank, strategy, list(values), op)
+    for rank, (once, twice) in ((r, pair) for r, pairs in enumerate(results) for pair in pairs):
         difference = max_difference(once, twice)
         if not difference <= _tolerance(once.dtype, once.double(), world_size):
             raise LawViolation(
@@ -142,8 +165,10 @@ def check_reduce_idempotent(
             )
 
 
-def _gather_rank(strategy: StrategyLike, ctx: Any, values: Sequence[torch.Tensor]) -> torch.Tensor:
-    return strategy.gather(values[ctx.rank], ctx)
+def _gather_rank(
+    strategy: StrategyLike, ctx: Any, values: Sequence[torch.Tensor]
+) -> list[tuple[str, torch.Tensor]]:
+    return [(where, strategy.gather(mine, ctx)) for where, mine in _placed(values[ctx.rank], ctx)]
 
 
 def check_gather(
@@ -156,23 +181,26 @@ def check_gather(
     """
     world_size = _world_size(values, world)
     expected = torch.stack(list(values))
-    for rank, result in enumerate(run_on(world, world_size, _gather_rank, strategy, list(values))):
-        if result.shape != expected.shape or not torch.equal(result, expected):
+    results = run_on(world, world_size, _gather_rank, strategy, list(values))
+    for rank, (where, result) in ((r, got) for r, gots in enumerate(results) for got in gots):
+        if result.shape != expected.shape or not same(result, expected):
             raise LawViolation(
                 "gather-order",
                 strategy,
                 f"values={summarize(list(values))}",
-                f"rank {rank} got {summarize(result)}, expected {summarize(expected)} "
+                f"rank {rank} got {summarize(result)} (input on {where}), expected "
+                f"{summarize(expected)} "
                 "(row r must be rank r's tensor)",
             )
 
 
 def _broadcast_rank(strategy: StrategyLike, ctx: Any, values: Sequence[torch.Tensor]) -> list[Any]:
     out = []
-    for src in range(ctx.world_size):
-        tensor = strategy.broadcast(values[ctx.rank], ctx, src=src)
-        obj = strategy.broadcast({"from": ctx.rank, "sizes": [ctx.rank] * 2}, ctx, src=src)
-        out.append((tensor, obj))
+    for where, mine in _placed(values[ctx.rank], ctx):
+        for src in range(ctx.world_size):
+            tensor = strategy.broadcast(mine, ctx, src=src)
+            obj = strategy.broadcast({"from": ctx.rank, "sizes": [ctx.rank] * 2}, ctx, src=src)
+            out.append((where, src, tensor, obj))
     strategy.barrier(ctx)
     return out
 
@@ -189,12 +217,12 @@ def check_broadcast(
     for rank, per_source in enumerate(
         run_on(world, world_size, _broadcast_rank, strategy, list(values))
     ):
-        for src, (tensor, obj) in enumerate(per_source):
-            if not torch.equal(tensor, values[src]) or obj != {"from": src, "sizes": [src] * 2}:
+        for where, src, tensor, obj in per_source:
+            if not same(tensor, values[src]) or obj != {"from": src, "sizes": [src] * 2}:
                 raise LawViolation(
                     "broadcast-from-every-source",
                     strategy,
-                    f"src={src}, values={summarize(list(values))}",
+                    f"src={src}, values={summarize(list(values))} (sent from {where})",
                     f"rank {rank} received {summarize(tensor)} and {obj!r}",
                 )
 
@@ -202,12 +230,14 @@ def check_broadcast(
 def _identities_rank(
     strategy: StrategyLike, ctx: Any, value: torch.Tensor
 ) -> list[tuple[str, Any]]:
-    out: list[tuple[str, Any]] = [
-        (f"reduce {op}", strategy.reduce(value, op, ctx))
-        for op in ("sum", "max", "min") + (("mean",) if value.is_floating_point() else ())
-    ]
-    out.append(("gather", strategy.gather(value, ctx)[0]))
-    out.append(("broadcast", strategy.broadcast(value, ctx, src=0)))
+    out: list[tuple[str, Any]] = []
+    for where, mine in _placed(value, ctx):
+        out += [
+            (f"reduce {op} (on {where})", strategy.reduce(mine, op, ctx))
+            for op in ("sum", "max", "min") + (("mean",) if value.is_floating_point() else ())
+        ]
+        out.append((f"gather (on {where})", strategy.gather(mine, ctx)[0]))
+        out.append((f"broadcast (on {where})", strategy.broadcast(mine, ctx, src=0)))
     strategy.barrier(ctx)
     return out
 
@@ -225,7 +255,7 @@ def check_single_rank_identities(
         raise UsageError("check_single_rank_identities needs a World of one rank.")
     [results] = run_on(world, 1, _identities_rank, strategy, value)
     for what, result in results:
-        if result.dtype != value.dtype or not torch.equal(result, value):
+        if not same(result, value):
             raise LawViolation(
                 "single-rank-identities",
                 strategy,

@@ -27,6 +27,7 @@ import attrs
 import torch
 
 from stratagem.checkpoint import unwrap
+from stratagem.combinators._base import OptimizerHook
 from stratagem.combinators.accumulation import AccumulationState
 from stratagem.env import Env
 from stratagem.errors import UsageError, describe
@@ -35,6 +36,7 @@ from stratagem.testing.contract import Contract
 from stratagem.testing.laws._core import LawViolation, own_share, run_on, squares_mean, summarize
 from stratagem.testing.laws.state import first_difference, hint, snapshot
 from stratagem.testing.reference import buffers_rule, undistributed
+from stratagem.testing.tolerances import law_tolerances
 from stratagem.testing.world import World
 from stratagem.trees import map_tensors, tensors_in
 from stratagem.validators import is_int, require
@@ -182,7 +184,7 @@ def _rank_run(
     plan: _Plan,
     make_optimizer: OptimizerFactory,
     forward: Forward,
-) -> tuple[int, int | None, tuple[int, int], Snapshots]:
+) -> tuple[int, int | None, tuple[int, int], Snapshots, list[int]]:
     start = perturbed(module, 0 if plan.synced_init else ctx.rank)
     model = strategy.wrap(start, ctx)
     optimizer = make_optimizer(model.parameters())
@@ -190,12 +192,19 @@ def _rank_run(
     mine = own_share(batch, ctx)
     pieces = [share(mine, micro, i) for i in range(micro)]
     snapshots = [_packed(snapshot(model, optimizer))]
+    skipped = [_skipped(ctx)]
     for _ in range(plan.steps):
         _train(strategy, ctx, model, optimizer, pieces, plan, forward)
         snapshots.append(_packed(snapshot(model, optimizer)))
+        skipped.append(_skipped(ctx))
     window = ctx.extras.get("accumulation")  # what accumulate resolved for this world
     every = window.every if isinstance(window, AccumulationState) else None
-    return micro, every, tuple(ctx.data_parallel), snapshots
+    return micro, every, tuple(ctx.data_parallel), snapshots, skipped
+
+
+def _skipped(ctx: Any) -> int:
+    """Optimizer steps the precision skipped so far (a non-finite gradient under loss scaling)."""
+    return int(getattr(ctx.extras.get("precision"), "skipped", 0))
 
 
 def _packed(state: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -282,6 +291,7 @@ def _reference_run(
     rule: str,
     make_optimizer: OptimizerFactory,
     forward: Forward,
+    skips: frozenset[int] = frozenset(),
 ) -> list[Snapshots]:
     """Train the reference on whole micro-batches; return each rank's expected snapshots."""
     ctx = reference.setup(Env())
@@ -303,7 +313,8 @@ def _reference_run(
         expected: list[Snapshots] = [[] for _ in range(world_size)]
         for step in range(plan.steps + 1):
             if step:
-                _train(reference, ctx, model, optimizer, pieces, plan, shares_)
+                stepping = _skipping(optimizer) if step in skips else optimizer
+                _train(reference, ctx, model, stepping, pieces, plan, shares_)
             for rank in range(world_size):
                 expected[rank].append(_per_rank_view(model, optimizer, shares_.buffers[rank]))
         return expected
@@ -321,6 +332,7 @@ def _local_reference_run(
     sync_every: int,
     make_optimizer: OptimizerFactory,
     forward: Forward,
+    skips: frozenset[int] = frozenset(),
 ) -> list[Snapshots]:
     """Local SGD's reference: a replica per rank on its own share, parameters averaged every k."""
     contexts = [reference.setup(Env()) for _ in range(world_size)]
@@ -334,7 +346,8 @@ def _local_reference_run(
         for step in range(1, plan.steps + 1):
             for rank, (model, optimizer) in enumerate(zip(models, optimizers, strict=True)):
                 pieces = [share(shares_[rank], micro, i) for i in range(micro)]
-                _train(reference, contexts[rank], model, optimizer, pieces, plan, forward)
+                stepping = _skipping(optimizer) if step in skips else optimizer
+                _train(reference, contexts[rank], model, stepping, pieces, plan, forward)
             if step % sync_every == 0:
                 _average([unwrap(m) for m in models])
             for rank in range(world_size):
@@ -343,6 +356,41 @@ def _local_reference_run(
     finally:
         for ctx in contexts:
             reference.teardown(ctx)
+
+
+def _no_step(step: Callable[[], Any]) -> None:
+    """Skip the optimizer's step, as loss scaling does after a non-finite gradient."""
+
+
+def _skipping(optimizer: Any) -> OptimizerHook:
+    """Return ``optimizer`` with its step skipped: the reference skips what the ranks skipped."""
+    return OptimizerHook(optimizer, _no_step)
+
+
+def _agreed_skips(
+    law: str, strategy: StrategyLike, inputs: str, counts: list[list[int]]
+) -> frozenset[int]:
+    """Return the updates every rank's precision skipped; the ranks must agree on them.
+
+    Under loss scaling (``"16-mixed"``) a non-finite gradient skips the update,
+    and the reference skips it too. A step skipped on some ranks only leaves
+    the ranks' shares of the model at different steps.
+    """
+    skipped = [
+        {step for step in range(1, len(mine)) if mine[step] > mine[step - 1]} for mine in counts
+    ]
+    for rank, steps in enumerate(skipped):
+        if steps != skipped[0]:
+            raise LawViolation(
+                law,
+                strategy,
+                inputs,
+                f"rank 0 skipped updates {sorted(skipped[0])} and rank {rank} "
+                f"{sorted(steps)} (a non-finite gradient under loss scaling): the ranks must "
+                "agree on skipping a step; an overflow check over this rank's gradient shard "
+                "alone, not agreed with the others, gives this",
+            )
+    return frozenset(skipped[0])
 
 
 def _average(models: list[torch.nn.Module]) -> None:
@@ -371,7 +419,7 @@ def _judge(
     contract: Contract,
     hint_for_law: str,
 ) -> None:
-    rtol, atol = contract.tolerances()
+    rtol, atol = contract.tolerances(law_tolerances(strategy, law))
     world_size = len(results)
     steps = len(expected[0])
     sharded = contract.optimizer_state == "sharded"
@@ -450,11 +498,26 @@ def _check(
     optimizer: OptimizerFactory,
     forward: Forward,
     hint_for_law: str,
+    adjust_reference: Callable[[StrategyLike], StrategyLike] | None = None,
+    needs_an_update: bool = False,
 ) -> None:
     size = world.world_size if world is not None else world_size
     _check_inputs(module, batch, size, forward)
     runs = run_on(world, size, _rank_run, strategy, module, batch, plan, optimizer, forward)
     micro, every = runs[0][0], runs[0][1]
+    inputs = (
+        f"module={summarize(module)}, batch={summarize(batch)}, steps={plan.steps}, "
+        f"micro-batches={micro}, optimizer={getattr(optimizer, '__name__', optimizer)}"
+    )
+    skips = _agreed_skips(law, strategy, inputs, [run[4] for run in runs])
+    if needs_an_update and len(skips) == plan.steps:
+        raise LawViolation(
+            law,
+            strategy,
+            inputs,
+            f"loss scaling skipped every update ({sorted(skips)}): the gradients were never "
+            "finite (a loss scaled twice, or gradients that overflow at any scale, gives this)",
+        )
     # Under tensor parallelism the ranks of a group share one part of the batch: the reference
     # trains `parts` shares, and each rank is compared with its group's.
     parts = runs[0][2][1]
@@ -465,22 +528,23 @@ def _check(
             f"{parts * micro}."
         )
     derived = _reference_for(strategy, reference, every)
+    if adjust_reference is not None:
+        derived = adjust_reference(derived)
     if contract.sync_every > 1:
         expected = _local_reference_run(
-            derived, module, batch, parts, micro, plan, contract.sync_every, optimizer, forward
-        )
+            derived, module, batch, parts, micro, plan, contract.sync_every, optimizer, forward,
+            skips,
+        )  # fmt: skip
     else:
         rule = buffers_rule(strategy, contract)
         expected = _reference_run(
-            derived, module, batch, parts, micro, every, plan, rule, optimizer, forward
+            derived, module, batch, parts, micro, every, plan, rule, optimizer, forward, skips
         )
-    expected = [expected[index] for _, _, (index, _), _ in runs]
-    inputs = (
-        f"module={summarize(module)}, batch={summarize(batch)}, steps={plan.steps}, "
-        f"micro-batches={micro}, optimizer={getattr(optimizer, '__name__', optimizer)}, "
-        f"reference={getattr(derived, 'name', derived)!r}"
-    )
-    results = [[_unpacked(state) for state in snaps] for _, _, _, snaps in runs]
+    expected = [expected[run[2][0]] for run in runs]
+    inputs += f", reference={getattr(derived, 'name', derived)!r}"
+    if skips:
+        inputs += f", updates skipped by loss scaling on every rank={sorted(skips)}"
+    results = [[_unpacked(state) for state in run[3]] for run in runs]
     _judge(law, strategy, inputs, results, expected, contract, hint_for_law)
 
 

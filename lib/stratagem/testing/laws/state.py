@@ -76,7 +76,7 @@ def _compare(key: str, ours: torch.Tensor, theirs: torch.Tensor) -> tuple[float,
         return math.inf, math.inf
     if ours.numel() == 0:
         return 0.0, 0.0
-    a, b = ours.double(), theirs.double()
+    a, b = ours.detach().cpu().double(), theirs.detach().cpu().double()
     absolute = float((a - b).abs().max())
     scale = float(b.abs().max())
     return absolute, absolute / scale if scale > 0 else (math.inf if absolute > 0 else 0.0)
@@ -92,13 +92,14 @@ def first_difference(
 ) -> Difference | None:
     """Return the first key (in the reference's order) where ``ours`` is not within tolerance.
 
-    ``|ours - theirs| <= atol + rtol * |theirs|`` elementwise, as ``torch.allclose``.
+    ``|ours - theirs| <= atol + rtol * |theirs|`` elementwise, as ``torch.allclose``,
+    on the CPU wherever the tensors live.
     """
     wanted = keys if keys is not None else tuple(theirs)
     for key in wanted:
         if key not in ours or key not in theirs:
             return Difference(key, math.inf, math.inf, ours.get(key), theirs.get(key))
-        a, b = ours[key], theirs[key]
+        a, b = ours[key].detach().cpu(), theirs[key].detach().cpu()  # compared on the CPU
         if a.shape != b.shape:
             return Difference(key, math.inf, math.inf, a, b)
         close = torch.isclose(a.double(), b.double(), rtol=rtol, atol=atol, equal_nan=True)

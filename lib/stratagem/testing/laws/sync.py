@@ -16,6 +16,7 @@ from stratagem.testing.contract import Contract
 from stratagem.testing.laws._core import LawViolation, own_share, run_on, squares_mean, summarize
 from stratagem.testing.laws.parallel import OptimizerFactory, perturbed, sgd_momentum
 from stratagem.testing.laws.state import first_difference, snapshot
+from stratagem.testing.tolerances import law_tolerances
 from stratagem.testing.world import World
 
 __all__ = ["check_ranks_in_sync"]
@@ -68,7 +69,7 @@ def check_ranks_in_sync(
     results = run_on(
         world, size, _states, strategy, module, batch, updates, optimizer, terms.synced_init
     )
-    rtol, atol = terms.tolerances()
+    rtol, atol = terms.tolerances(law_tolerances(strategy, "ranks-in-sync"))
     inputs = f"module={summarize(module)}, batch={summarize(batch)}, updates={updates}"
     buffers = {f"model.{name}" for name, _ in module.named_buffers()}
     for index in range(terms.sync_every - 1, updates, terms.sync_every):

@@ -21,11 +21,14 @@ from stratagem.testing.laws._core import (
     fresh_copy,
     full_parameters,
     max_difference,
+    on_device,
     own_share,
     run_on,
     squares_mean,
     summarize,
+    within,
 )
+from stratagem.testing.tolerances import law_tolerances
 from stratagem.testing.world import World
 
 __all__ = [
@@ -180,13 +183,16 @@ def check_purity(
 def _wrap_rank(
     strategy: StrategyLike, ctx: Any, module: torch.nn.Module, batch: torch.Tensor
 ) -> tuple[list[str], torch.Tensor, torch.Tensor]:
-    plain = fresh_copy(module)
+    # The plain module runs where the strategy trains, on the same data: a GPU strategy is
+    # compared with the GPU's float32 arithmetic, not the CPU's.
+    plain = fresh_copy(module).to(ctx.device)
     wrapped = strategy.wrap(fresh_copy(module), ctx)
+    data = on_device(batch, ctx)
     with torch.no_grad():
-        ours = strategy.step(wrapped, batch, ctx)
-        theirs = plain(batch)
+        ours = strategy.step(wrapped, data, ctx)
+        theirs = plain(data)
     keys = list(unwrap(wrapped).state_dict().keys())
-    return keys, torch.as_tensor(ours).float().cpu(), theirs.float()
+    return keys, torch.as_tensor(ours).float(), theirs.float()
 
 
 def check_wrap(
@@ -196,13 +202,22 @@ def check_wrap(
     *,
     world: World | None = None,
     world_size: int = 2,
-    tolerance: float = 1e-6,
+    tolerance: float | None = None,
+    rtol: float | None = None,
 ) -> None:
     """Law ``wrap-preserves``: the wrapped module computes what the plain one does, same keys.
 
+    Outputs agree when ``|ours - plain| <= tolerance + rtol * |plain|`` elementwise.
+    Omitted, both are derived from the precision the strategy computes in
+    (`stratagem.testing.tolerances`): ``1e-5`` and 0 in float32, two units of
+    bfloat16's or float16's epsilon under a precision that rounds the outputs to it.
+
     Raises:
-        LawViolation: outputs differ beyond ``tolerance`` or state-dict keys changed.
+        LawViolation: outputs differ beyond the tolerance or state-dict keys changed.
     """
+    derived_rtol, derived_atol = law_tolerances(strategy, "wrap-preserves")
+    atol = derived_atol if tolerance is None else tolerance
+    rtol = derived_rtol if rtol is None else rtol
     size = world.world_size if world is not None else world_size
     inputs = f"module={summarize(module)}, batch={summarize(batch)}"
     expected_keys = list(module.state_dict().keys())
@@ -217,14 +232,13 @@ def check_wrap(
                 f"rank {rank}: state-dict keys {keys} differ from the plain module's "
                 f"{expected_keys}",
             )
-        difference = max_difference(ours, theirs)
-        if not difference <= tolerance:
+        if not within(ours, theirs, rtol=rtol, atol=atol):
             raise LawViolation(
                 "wrap-preserves",
                 strategy,
                 inputs,
                 f"rank {rank}: step through the wrapped module differs from the plain module "
-                f"by {difference:g}",
+                f"by {max_difference(ours, theirs):g} (rtol {rtol:g}, atol {atol:g})",
             )
 
 

@@ -1,0 +1,86 @@
+"""Law ``precision-close-to-float32``: a precision stack trains as float32 does, but for rounding.
+
+``data-parallel-step`` compares the ranks with the same stack on one process:
+a precision bug in a layer both share (an update that never unscales the
+gradients of ``"16-mixed"``, a backward that never scales them) is the same on
+both sides, and passes. This law compares the ranks with the stack's float32
+self instead (`stratagem.testing.tolerances.without_precision` of the derived
+reference), within what the precision's rounding allows
+(`stratagem.testing.tolerances.law_tolerances`): a step 65536 times too large
+or too small is far outside it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from stratagem.errors import UsageError
+from stratagem.strategy import StrategyLike
+from stratagem.testing.contract import Contract
+from stratagem.testing.laws._core import squares_mean
+from stratagem.testing.laws.parallel import (
+    Forward,
+    OptimizerFactory,
+    _check,
+    _contract,
+    _Plan,
+    _steps,
+    sgd_momentum,
+)
+from stratagem.testing.tolerances import compute_dtype, without_precision
+from stratagem.testing.world import World
+
+__all__ = ["check_precision"]
+
+
+def check_precision(
+    strategy: StrategyLike,
+    module: torch.nn.Module,
+    batch: Any,
+    *,
+    world: World | None = None,
+    world_size: int = 2,
+    steps: int = 3,
+    optimizer: OptimizerFactory = sgd_momentum,
+    reference: StrategyLike | None = None,
+    contract: Contract | None = None,
+    forward: Forward = squares_mean,
+) -> None:
+    """Law ``precision-close-to-float32``: N ranks in a precision train as one float32 process.
+
+    The reference is ``reference`` (else the derived one,
+    `stratagem.testing.reference.undistributed`) with every layer of
+    ``with_precision`` taken off; each rank's whole state after wrap and after
+    each of ``steps`` updates must be within the precision's tolerance of it
+    (a contract's ``rtol`` / ``atol`` override it).
+    Use an optimizer whose step follows the gradient's size (SGD, the
+    default): Adam's divides it out, and would hide a missing unscale.
+    Updates that loss scaling skips on every rank are skipped by the
+    reference too, but at least one of the ``steps`` must be taken.
+
+    Raises:
+        LawViolation: a rank's state is further from float32 training than
+            the precision's rounding explains (a missing unscale or scale, ...),
+            or loss scaling skipped every update.
+        UsageError: ``strategy`` applies no precision, or as `check_data_parallel_step`.
+    """
+    if compute_dtype(strategy) == torch.float32:
+        raise UsageError(
+            f"check_precision: strategy {getattr(strategy, 'name', strategy)!r} computes in "
+            "float32 already; apply with_precision(strategy, ...) first, or use "
+            "check_data_parallel_step."
+        )
+    terms = _contract(contract, None)
+    _check(
+        "precision-close-to-float32", strategy, module, batch,
+        plan=_Plan(max(_steps(steps), terms.sync_every + 1), None, manual=False,
+                   synced_init=terms.synced_init),
+        world=world, world_size=world_size, reference=reference, contract=terms,
+        optimizer=optimizer, forward=forward,
+        hint_for_law="An update that never unscales the gradients (\"16-mixed\"), a backward "
+        "that never scales them, or a wrap that casts the wrong way breaks this law.",
+        adjust_reference=without_precision,
+        needs_an_update=True,
+    )  # fmt: skip
