@@ -146,7 +146,12 @@ def bench_peers(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON, venv_params=["--system-site-packages"])
 def gpu(session: nox.Session) -> None:
+    """The prepared GPU run (`benchmarks.gpu_check`): its cases, the suite, the GPT step.
+
+    Lightning Fabric and Accelerate join the GPT step when the system site-packages
+    have them; nothing here installs them. pytest-xdist runs the suite on every core.
+    """
     # The one session that must not pin the CPU wheel: it uses the machine's CUDA build of
     # torch (visible through the system site-packages), or the registry's default one.
-    session.install("-e", ".[testing]")
+    session.install("-e", ".[testing]", "pytest-xdist")
     session.run("python", "-m", "benchmarks.gpu_check", *session.posargs)

@@ -1,34 +1,55 @@
-"""The CUDA and NCCL paths in one prepared run: laws, precisions, checkpoints, one timing.
+"""The one prepared GPU run: laws, precisions, checkpoints, worlds, the suite, a GPT step.
 
 Run: ``python -m benchmarks.gpu_check`` (or ``nox -s gpu``) on a machine with CUDA. Without
 a CUDA device it refuses in one line (exit 2). ``--device cpu`` runs the same cases on the
-CPU, which is how the script itself is tested where there is no GPU. Every case prints one
-row; the run exits 1 if any case failed and stops starting new cases after ``--budget``
-seconds (default 420, inside the 8 minutes a GPU command may take).
+CPU (gloo, 2 ranks where ranks matter, a tiny GPT), which is how the script itself is tested
+where there is no GPU; ``--quick`` runs the cases that fit in a test (no laws of the
+distributed built-ins, no compiled GPT). Every case prints one row (the GPT step one per
+side and mode) of one table; the run exits 1 if any case failed, and stops starting new
+cases after ``--budget`` seconds (default 420: inside the 8 minutes a GPU command may take).
 
-Multi-rank cases run 2 ranks. With two or more GPUs each rank takes its own and talks NCCL;
-with one GPU both ranks share it and talk gloo over CUDA tensors (NCCL refuses two ranks on
-one device); the table says which.
+The cases, in order:
+
+- the laws (`stratagem.testing.check_all`) of ``single_device``, ``ddp``, ``fsdp``,
+  ``dp``, ``allreduce_grads``, each precision (with a ``16-mixed`` loss-scale skip) and
+  ``compiled``; 2 ranks for the distributed ones: with two or more GPUs each rank takes its
+  own and talks NCCL, with one GPU both share it and talk gloo over CUDA tensors;
+- a CUDA -> CPU -> CUDA checkpoint, and ``single_device``'s step against a hand loop;
+- worlds of every size the host allows (`benchmarks.gpu_worlds`: NCCL on ``cuda:LOCAL_RANK``,
+  sizes 1 and the GPU count; on the CPU 2 gloo ranks) for ``ddp``, ``fsdp``, ``hsdp``,
+  ``allreduce_grads`` and ``pipeline``: blocking and background saves at step 8, and a
+  fresh world's resume to step 12 equal to the uninterrupted run, bit for bit;
+- a GPT step (`benchmarks.gpt_step`) by hand, with stratagem, Lightning Fabric and
+  Accelerate (when installed), eager and compiled: ms/step, ratio, tokens/s, MFU;
+- the test suite (``pytest -x -q``, ``-n auto`` with pytest-xdist), bounded by what is left
+  of the budget; on the CPU only with ``--suite``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import re
+import signal
+import subprocess
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 
 import stratagem as sg
-from stratagem.testing import check_all
+from benchmarks import gpt_step, gpu_worlds
 
-Case = Callable[[str], str]  # device type -> detail for the table; raises on failure
+ROOT = Path(__file__).resolve().parent.parent
+# device type -> detail for the table, or (name, detail, seconds) rows; raises on failure
+Case = Callable[[str], "str | Sequence[tuple[str, str, float]]"]
 
 
 def _ranks_setup(device: str) -> dict[str, Any]:
@@ -46,6 +67,9 @@ def _wire(device: str) -> str:
 
 
 def _laws(strategy: sg.Strategy, world_size: int = 2) -> str:
+    # Here, not at the top: spawned ranks import this module, and need no testing kit.
+    from stratagem.testing import check_all
+
     report = check_all(strategy, world_size=world_size)
     return f"{len(report.passed)} laws passed, {len(report.skipped)} skipped"
 
@@ -192,7 +216,71 @@ def step_ratio(device: str) -> str:
     )
 
 
-CASES: tuple[Case, ...] = (
+def world(kind: str, size: int) -> Case:
+    def case(device: str) -> str:
+        return gpu_worlds.check_world(kind, size, device)
+
+    case.__name__ = f"world_{kind}_{size}"
+    return case
+
+
+def gpt(quick: bool) -> Case:
+    def gpt_step_case(device: str) -> list[tuple[str, str, float]]:
+        where = torch.device("cuda:0" if device == "cuda" else "cpu")
+        found = gpt_step.run(where, compiled=not quick, quick=quick)
+        note = "compiled: skipped under --quick" if quick else ""
+        head = [("model", gpt_step.describe(where) + (f"; {note}" if note else ""), 0.0)]
+        return head + found
+
+    gpt_step_case.__name__ = "gpt_step"
+    return gpt_step_case
+
+
+def _progress(output: str) -> tuple[int, int]:
+    """Tests passed and failed so far, from ``pytest -q``'s progress lines (a cut run's)."""
+    marks = "".join(
+        line.split(" ")[0] for line in output.splitlines() if re.fullmatch(r"[.sxXFE]+( .*)?", line)
+    )
+    return marks.count(".") + marks.count("X"), marks.count("F") + marks.count("E")
+
+
+def suite(deadline: float, wanted: bool | None) -> Case:
+    """The test suite, less this script's own tests (they run this script)."""
+
+    def case(device: str) -> str:
+        if wanted is False or (wanted is None and device != "cuda"):
+            return "skipped: on the CPU only with --suite (nox -s tests runs it there)"
+        left = deadline - time.monotonic()
+        if left < 30:  # bounded by the budget, as a cut run is: a row that says so
+            return f"not started: {left:.0f} s of the budget left (--only suite runs it alone)"
+        command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider"]
+        if importlib.util.find_spec("xdist") is not None:
+            command += ["-n", "auto"]
+        command += ["--ignore", "tests/test_gpu_check.py", "tests"]
+        process = subprocess.Popen(
+            command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,  # its own process group: a cut stops its workers too
+        )  # fmt: skip
+        try:
+            output, _ = process.communicate(timeout=left)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            output, _ = process.communicate()
+            passed, failed = _progress(output)
+            if failed:
+                raise AssertionError(f"{failed} failed before the cut at {left:.0f} s") from None
+            return f"cut by the budget at {left:.0f} s: {passed} passed, none failed so far"
+        print(output[-3000:], file=sys.stderr)
+        summary = output.strip().splitlines()[-1] if output.strip() else "no output"
+        if process.returncode != 0:
+            raise AssertionError(f"pytest exited {process.returncode}: {summary}")
+        return f"{' '.join(command[3:])}: {summary}"
+
+    case.__name__ = "suite"
+    return case
+
+
+BASE: tuple[Case, ...] = (
     single,
     ddp,
     fsdp,
@@ -206,6 +294,22 @@ CASES: tuple[Case, ...] = (
     round_trip,
     step_ratio,
 )
+QUICK = {"loss_scale_skip", "round_trip"}  # and the worlds, and gpt_step eager
+
+
+def cases(
+    device: str,
+    *,
+    quick: bool = False,
+    deadline: float = float("inf"),
+    suite_wanted: bool | None = None,
+) -> list[Case]:
+    """Every case for ``device``, in the order they run (``quick``: the few that fit a test)."""
+    base = [case for case in BASE if not quick or case.__name__ in QUICK]
+    worlds = [
+        world(kind, size) for size in gpu_worlds.world_sizes(device) for kind in gpu_worlds.KINDS
+    ]
+    return [*base, *worlds, gpt(quick), suite(deadline, suite_wanted)]
 
 
 @attrs.frozen
@@ -216,24 +320,36 @@ class Row:
     detail: str
 
 
-def run(device: str, budget: float, only: set[str] | None = None) -> list[Row]:
+def run(
+    device: str,
+    budget: float,
+    only: set[str] | None = None,
+    *,
+    quick: bool = False,
+    suite_wanted: bool | None = None,
+) -> list[Row]:
     """Run every case (or those named in ``only``) until ``budget`` seconds have passed."""
     rows: list[Row] = []
     started = time.monotonic()
-    for case in CASES:
+    for case in cases(device, quick=quick, deadline=started + budget, suite_wanted=suite_wanted):
         if only is not None and case.__name__ not in only:
             continue
         if time.monotonic() - started > budget:
             rows.append(Row(case.__name__, False, 0.0, "not started: out of time"))
             continue
-        begin = time.monotonic()
+        begin, before = time.monotonic(), len(rows)
         try:
-            detail, ok = case(device), True
+            found, ok = case(device), True
         except Exception as error:  # a failing case is a row, and the run goes on
-            detail, ok = f"{type(error).__name__}: {error}".splitlines()[0][:300], False
+            found, ok = f"{type(error).__name__}: {error}".splitlines()[0][:300], False
             traceback.print_exc(file=sys.stderr)
-        rows.append(Row(case.__name__, ok, time.monotonic() - begin, detail))
-        print(f"{'ok  ' if ok else 'FAIL'} {case.__name__}: {detail}", file=sys.stderr, flush=True)
+        if isinstance(found, str):
+            rows.append(Row(case.__name__, ok, time.monotonic() - begin, found))
+        else:  # one row per part (the GPT step's sides)
+            rows += [Row(f"{case.__name__}: {name}", ok, s, detail) for name, detail, s in found]
+        for row in rows[before:]:
+            mark = "ok  " if row.ok else "FAIL"
+            print(f"{mark} {row.case}: {row.detail}", file=sys.stderr, flush=True)
     return rows
 
 
@@ -241,6 +357,8 @@ def table(rows: list[Row], device: str) -> str:
     head = f"gpu_check on {device}: torch {torch.__version__}, CUDA {torch.version.cuda}"
     if device == "cuda":
         head += f", {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    else:
+        head += f", {os.cpu_count()} CPU cores"
     lines = [head, "", "| case | result | seconds | detail |", "| --- | --- | --- | --- |"]
     for row in rows:
         result = "ok" if row.ok else "FAIL"
@@ -253,6 +371,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--budget", type=float, default=420.0, help="seconds to start cases in")
     parser.add_argument("--only", nargs="*", help="case names to run (default: all)")
+    parser.add_argument("--quick", action="store_true", help="only the cases that fit a test")
+    parser.add_argument(
+        "--suite",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the test suite (default: on CUDA only)",
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print(
@@ -261,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    rows = run(args.device, args.budget, set(args.only) if args.only else None)
+    only = set(args.only) if args.only else None
+    rows = run(args.device, args.budget, only, quick=args.quick, suite_wanted=args.suite)
     print(table(rows, args.device))
     return 0 if all(row.ok for row in rows) else 1
 

@@ -228,6 +228,9 @@ def no_sync(module: torch.nn.Module, ctx: Context) -> contextlib.AbstractContext
     return contextlib.nullcontext()
 
 
+_PLAIN = {torch.Tensor}  # gradients of these types are no DTensor: torch's norm, as it is
+
+
 def clip_norm_(
     parameters: list[torch.Tensor],
     max_norm: float,
@@ -249,6 +252,13 @@ def clip_norm_(
     Returns:
         The total norm before clipping, a plain tensor, the same on every rank.
     """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if split_over is None and set(map(type, grads)) <= _PLAIN:
+        # No DTensor, one module: the two halves of torch's clip_grad_norm_, on the gradients
+        # found once (the same operations, so the same bits as clip_grad_norm_ by hand).
+        norm = torch.nn.utils.get_total_norm(grads, norm_type)
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+        return norm
     groups: dict[int, list[torch.Tensor]] = {}
     for parameter in parameters:
         if parameter.grad is not None:
