@@ -99,7 +99,7 @@ class LocalUpdate:
 
 
 def local_sgd(every=4, **bugs):
-    base = sg.ddp()
+    base = sg.ddp(device="cpu")
     return attrs.evolve(
         base,
         name=f"local-sgd-{every}" + "".join(f"-{k}" for k in bugs),
@@ -160,7 +160,7 @@ class HookedWrap:
 
 
 def hooked(hook):
-    return attrs.evolve(sg.ddp(), name=f"ddp-{hook}-hook", wrap=HookedWrap(hook))
+    return attrs.evolve(sg.ddp(device="cpu"), name=f"ddp-{hook}-hook", wrap=HookedWrap(hook))
 
 
 # --- the Horovod way, done by hand: all-reduce gradients in update ---------------------------
@@ -203,7 +203,7 @@ class AllreduceUpdate:
 
 def by_hand(wrap=broadcast_wrap, **options):
     return attrs.evolve(
-        sg.ddp(),
+        sg.ddp(device="cpu"),
         name="allreduce-by-hand" + "".join(f"-{k}" for k in options),
         wrap=wrap,
         update=AllreduceUpdate(**options),
@@ -309,7 +309,7 @@ class CustomShard:
 
 def custom_shard(**options):
     name = "custom-shard" + "".join(f"-{k}" for k in options)
-    return attrs.evolve(sg.ddp(), name=name, shard=CustomShard(**options))
+    return attrs.evolve(sg.ddp(device="cpu"), name=name, shard=CustomShard(**options))
 
 
 @attrs.define
@@ -344,7 +344,7 @@ class StreamShard:
         from torch.utils.data import IterableDataset
 
         if not isinstance(loader.dataset, IterableDataset):
-            return sg.ddp().shard(loader, ctx)
+            return sg.ddp(device="cpu").shard(loader, ctx)
         if self.passthrough:
             return loader
         return StridedStream(loader, ctx.rank, ctx.world_size, self.advance, self.drop_round)
@@ -352,7 +352,7 @@ class StreamShard:
 
 def stream_shard(**options):
     name = "stream-shard" + "".join(f"-{k}" for k in options)
-    return attrs.evolve(sg.ddp(), name=name, shard=StreamShard(**options))
+    return attrs.evolve(sg.ddp(device="cpu"), name=name, shard=StreamShard(**options))
 
 
 # --- custom save and load: one torch.save file, written by rank 0 ----------------------------
@@ -408,7 +408,7 @@ def torch_checkpoints(**bugs):
     save_bugs = {k: v for k, v in bugs.items() if k in ("buffers", "values", "own_ranks")}
     load_bugs = {k: v for k, v in bugs.items() if k == "strict"}
     return attrs.evolve(
-        sg.ddp(),
+        sg.ddp(device="cpu"),
         name="torch-save" + "".join(f"-{k}" for k in bugs),
         save=TorchSave(**save_bugs),
         load=TorchLoad(**load_bugs),
@@ -462,7 +462,7 @@ class ShardedOptimizerSave:
 
 def zero1(**bugs):
     return attrs.evolve(
-        sg.ddp(),
+        sg.ddp(device="cpu"),
         name="zero1" + "".join(f"-{k}" for k in bugs),
         wrap=broadcast_wrap,
         update=Zero1Update(**bugs),

@@ -55,7 +55,7 @@ def test_checkpointing_keeps_the_parameter_names_and_refuses_bad_policies():
 @pytest.mark.slow
 def test_checkpointed_fsdp_x_tp_passes_every_law_on_2x2():
     strategy = sg.with_activation_checkpointing(
-        sg.tensor_parallel(sg.fsdp(), block_plan(), size=2), LINEARS
+        sg.tensor_parallel(sg.fsdp(device="cpu"), block_plan(), size=2), LINEARS
     )
     batch = torch.randn(16, 6, 16, generator=torch.Generator().manual_seed(0))
     report = check_all(strategy, world_size=4, module=make_block(), batch=batch)
@@ -65,6 +65,6 @@ def test_checkpointed_fsdp_x_tp_passes_every_law_on_2x2():
 
 @pytest.mark.slow
 def test_fsdp_with_cpu_offload_passes_the_training_laws():
-    report = check_all(sg.fsdp(offload=True), world_size=2)
+    report = check_all(sg.fsdp(offload=True, device="cpu"), world_size=2)
     assert {"data-parallel-step", "accumulation", "checkpoint-round-trip"} <= set(report.passed)
-    assert sg.fsdp(offload=True).wrap.offload is True
+    assert sg.fsdp(offload=True, device="cpu").wrap.offload is True

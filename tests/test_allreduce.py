@@ -443,7 +443,10 @@ def test_substituted_fields_relative_to_ddp_are_wrap_step_no_sync_update():
 
 
 def test_spawn_variant_differs_only_in_launch():
-    ours, spawned = sg.allreduce_grads(bucket_mb=8), sg.allreduce_grads_spawn(bucket_mb=8)
+    ours, spawned = (
+        sg.allreduce_grads(bucket_mb=8, device="cpu"),
+        sg.allreduce_grads_spawn(bucket_mb=8, device="cpu"),
+    )
     differing = [
         f.name
         for f in attrs.fields(sg.Strategy)
@@ -451,15 +454,17 @@ def test_spawn_variant_differs_only_in_launch():
     ]
     assert differing == ["name", "launch"]
     assert spawned.launch == sg.Spawn()
-    assert sg.allreduce_grads_spawn(start=sg.Spawn(stop_grace=1)).launch == sg.Spawn(stop_grace=1)
+    assert sg.allreduce_grads_spawn(start=sg.Spawn(stop_grace=1), device="cpu").launch == sg.Spawn(
+        stop_grace=1
+    )
 
 
 def test_update_field_is_a_readable_picklable_value():
-    update = sg.allreduce_grads(bucket_mb=2, compression="bf16").update
+    update = sg.allreduce_grads(bucket_mb=2, compression="bf16", device="cpu").update
     assert repr(update) == "AllreduceThenStep(bucket_mb=2, compression='bf16')"
-    assert pickle.loads(pickle.dumps(sg.allreduce_grads_spawn(compression="fp16"))) == (
-        sg.allreduce_grads_spawn(compression="fp16")
-    )
+    assert pickle.loads(
+        pickle.dumps(sg.allreduce_grads_spawn(compression="fp16", device="cpu"))
+    ) == (sg.allreduce_grads_spawn(compression="fp16", device="cpu"))
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, math.nan, "25", True, None])
@@ -471,7 +476,7 @@ def test_bad_bucket_mb_is_a_clear_error(bad):
         ):
             make(bucket_mb=bad)
     with pytest.raises(ValueError, match=repr(bad).replace("(", r"\(")):
-        sg.allreduce_grads(bucket_mb=bad)
+        sg.allreduce_grads(bucket_mb=bad, device="cpu")
 
 
 @pytest.mark.parametrize("bad", ["int8", "BF16", "bfloat16", 16, True])
@@ -486,11 +491,11 @@ def test_bad_compression_is_a_clear_error(bad):
 
 def test_other_bad_options_are_ddps_errors():
     with pytest.raises(sg.UsageError, match="'backend' must be"):
-        sg.allreduce_grads(backend="tcp")
+        sg.allreduce_grads(backend="tcp", device="cpu")
     with pytest.raises(sg.UsageError, match="'device' must be"):
         sg.allreduce_grads(device=3)
     with pytest.raises(sg.UsageError, match="'timeout' must be positive"):
-        sg.allreduce_grads_spawn(timeout=0)
+        sg.allreduce_grads_spawn(timeout=0, device="cpu")
 
 
 def test_broadcast_optimizer_state_checks_src_and_is_a_no_op_on_one_process():

@@ -54,8 +54,10 @@ def world():
 def test_a_call_made_on_rank_zero_only_names_the_absent_rank_within_the_timeout(
     world, tmp_path, call, timeout
 ):
-    assert world.run(save_everywhere, sg.ddp(arrival_timeout=2.9), tmp_path / "c") == [1, 1]
-    strategy = sg.ddp(arrival_timeout=timeout)
+    assert world.run(
+        save_everywhere, sg.ddp(arrival_timeout=2.9, device="cpu"), tmp_path / "c"
+    ) == [1, 1]
+    strategy = sg.ddp(arrival_timeout=timeout, device="cpu")
     outcome, nothing = world.run(only_rank_zero, strategy, call, tmp_path / "c")
     assert nothing is None
     message, seconds = outcome
@@ -67,7 +69,7 @@ def test_a_call_made_on_rank_zero_only_names_the_absent_rank_within_the_timeout(
 
 
 def test_checked_extends_the_check_to_every_collective(world):
-    strategy = sg.checked(sg.ddp(arrival_timeout=3.3))
+    strategy = sg.checked(sg.ddp(arrival_timeout=3.3, device="cpu"))
     outcome, nothing = world.run(only_rank_zero, strategy, "reduce", None)
     assert nothing is None
     message, seconds = outcome
@@ -88,7 +90,9 @@ def save_or_barrier(strategy, ctx, path):
 
 def test_each_rank_says_where_the_other_was_last_seen(world, tmp_path):
     # Each waits in a call the other is not in: both know at once that neither can come.
-    saving, waiting = world.run(save_or_barrier, sg.ddp(arrival_timeout=30), tmp_path / "c")
+    saving, waiting = world.run(
+        save_or_barrier, sg.ddp(arrival_timeout=30, device="cpu"), tmp_path / "c"
+    )
     assert saving.startswith("save is collective") and "rank 1 waits in barrier" in saving
     assert waiting.startswith("barrier is collective") and "rank 0 waits in save" in waiting
     assert not (tmp_path / "c").exists()
@@ -102,9 +106,9 @@ def test_the_message_is_the_teaching_constant():
 
 def test_the_timeout_is_checked_where_it_is_given():
     with pytest.raises(sg.UsageError, match=r"'arrival_timeout' must be a positive number"):
-        sg.ddp(arrival_timeout=0)
+        sg.ddp(arrival_timeout=0, device="cpu")
     with pytest.raises(sg.UsageError, match=r"'arrival_timeout' must be a positive number"):
-        sg.fsdp(arrival_timeout=float("nan"))
+        sg.fsdp(arrival_timeout=float("nan"), device="cpu")
     with pytest.raises(sg.UsageError, match=r"'arrival_timeout'"):
         Arrivals(torch.distributed.HashStore(), timeout=-1)
-    assert sg.ddp().setup.arrival_timeout == 60.0
+    assert sg.ddp(device="cpu").setup.arrival_timeout == 60.0

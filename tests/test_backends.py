@@ -26,8 +26,8 @@ def test_torch_backend_strings_are_accepted_and_normalised(given, kept):
     for factory in (sg.ddp, sg.allreduce_grads):
         assert factory(backend=given).setup.backend == kept
     # A mesh's setup joins through JoinProcessGroup.
-    assert sg.fsdp(backend=given).setup.join.backend == kept
-    assert sg.hsdp(replicate=2, shard=2, backend=given).setup.join.backend == kept
+    assert sg.fsdp(backend=given, device="cpu").setup.join.backend == kept
+    assert sg.hsdp(replicate=2, shard=2, backend=given, device="cpu").setup.join.backend == kept
 
 
 @pytest.mark.parametrize(
@@ -44,7 +44,7 @@ def test_torch_backend_strings_are_accepted_and_normalised(given, kept):
 )
 def test_malformed_backends_are_refused_naming_the_value(given, message):
     with pytest.raises(sg.UsageError, match=message):
-        sg.ddp(backend=given)
+        sg.ddp(backend=given, device="cpu")
 
 
 def test_none_is_torchs_own_default():

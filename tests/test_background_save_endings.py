@@ -39,3 +39,18 @@ def test_a_run_that_ends_right_after_a_background_save_commits_it(tmp_path, mode
     torch.manual_seed(0)
     assert torch.equal(model.weight, torch.nn.Linear(4, 2).weight)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_7"]  # no lock, no tmp left
+
+
+def test_a_rank_stopped_during_a_background_save_fails_within_the_strategys_timeout(tmp_path):
+    # Before: the writing thread's collectives waited torch's default 30 minutes, not
+    # ddp(timeout=...), and the world hung past 150 s with no output (issues 39 and 40).
+    script = Path(__file__).parent / "scripts" / "stopped_rank_save.py"
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=150
+    )
+    line = next((x for x in done.stdout.splitlines() if x.startswith(("ERROR", "NO ERROR"))), "")
+    assert line.startswith("ERROR "), done.stdout + done.stderr
+    seconds = float(line.split()[1])
+    assert seconds < 8 + 40, line  # the timeout, and the time to start and stop the ranks
+    assert "rank 0 failed" in line
+    assert sg.checkpoint.latest(tmp_path) is None  # nothing half-committed

@@ -35,7 +35,10 @@ def trained(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 
 def same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+    # On the CPU: DataParallel moves its module to cuda:0 on a host with CUDA.
+    return all(
+        torch.equal(x.cpu(), y.cpu()) for x, y in zip(a.parameters(), b.parameters(), strict=True)
+    )
 
 
 VALUES = {

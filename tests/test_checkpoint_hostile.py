@@ -255,7 +255,7 @@ def save_flip_and_load(strategy, ctx, path: str) -> tuple[list[str], str]:
 @pytest.mark.slow
 def test_checksums_on_two_ranks_cover_every_rank_s_file(tmp_path):
     results = sg.launch(
-        save_flip_and_load, sg.fsdp_spawn(), devices=2, args=(str(tmp_path / "ckpt"),)
+        save_flip_and_load, sg.fsdp_spawn(device="cpu"), devices=2, args=(str(tmp_path / "ckpt"),)
     )
     for names, outcome in results:
         assert names == [".metadata", "__0_0.distcp", "__1_0.distcp"]

@@ -30,7 +30,7 @@ def save_rank_numbers(strategy, ctx, path):
 
 
 def test_every_replicated_value_comes_from_rank_zero(stratagem_world, tmp_path):
-    for values in stratagem_world.run(save_rank_numbers, sg.ddp(), tmp_path / "c"):
+    for values in stratagem_world.run(save_rank_numbers, sg.ddp(device="cpu"), tmp_path / "c"):
         assert values["who"] == 0
         assert values["t"].item() == values["u"].item() == 0.0
         assert values["v"].tolist() == [0.0] * 3
@@ -70,7 +70,7 @@ def save_diverged_batchnorm(strategy, ctx, path):
 
 def test_buffers_and_optimizer_state_come_from_rank_zero_as_a_whole(stratagem_world, tmp_path):
     for mean, var, tracked, momenta in stratagem_world.run(
-        save_diverged_batchnorm, sg.ddp(broadcast_buffers=False), tmp_path / "c"
+        save_diverged_batchnorm, sg.ddp(broadcast_buffers=False, device="cpu"), tmp_path / "c"
     ):
         assert (mean, var, tracked) == ([1.0] * 4, [5.0] * 4, 7)
         assert momenta == [1.0], "every parameter's momentum is rank 0's"
@@ -103,7 +103,7 @@ def save_per_rank(strategy, ctx, path):
 
 
 def test_per_rank_entries_come_back_to_the_rank_that_saved_them(stratagem_world, tmp_path):
-    assert stratagem_world.run(save_per_rank, sg.ddp(), tmp_path / "c") == [
+    assert stratagem_world.run(save_per_rank, sg.ddp(device="cpu"), tmp_path / "c") == [
         (100, [10.0, 10.0], 3),
         (101, [11.0, 11.0], 3),
     ]
@@ -117,7 +117,7 @@ def save_two_ranks(strategy, ctx, path):
 
 
 def test_per_rank_state_at_another_world_size_is_a_clear_error(stratagem_world, tmp_path):
-    stratagem_world.run(save_two_ranks, sg.ddp(), tmp_path / "c")
+    stratagem_world.run(save_two_ranks, sg.ddp(device="cpu"), tmp_path / "c")
     ctx = sg.single_device("cpu").setup(sg.Env())
     position = Position(-1)
     with pytest.raises(CheckpointError, match=r"'position' was saved per rank by a world of 2"):
@@ -148,8 +148,11 @@ def save_verified(strategy, ctx, path, same):
 
 
 def test_verify_reports_by_key_the_replicated_entries_that_differ(stratagem_world, tmp_path):
-    assert stratagem_world.run(save_verified, sg.ddp(), tmp_path / "a", True) == [None, None]
-    messages = stratagem_world.run(save_verified, sg.ddp(), tmp_path / "b", False)
+    assert stratagem_world.run(save_verified, sg.ddp(device="cpu"), tmp_path / "a", True) == [
+        None,
+        None,
+    ]
+    messages = stratagem_world.run(save_verified, sg.ddp(device="cpu"), tmp_path / "b", False)
     assert messages[0] == messages[1]
     assert "model/1.running_mean (rank 1 differs from rank 0)" in messages[0]
     assert "epoch (rank 1 differs from rank 0)" in messages[0]
@@ -186,8 +189,8 @@ def batchnorm_net_seeded() -> torch.nn.Module:
 
 
 def test_fsdp_starts_every_rank_from_rank_zeros_weights_as_ddp_does(stratagem_world):
-    ddp_params = stratagem_world.run(start_and_train, sg.ddp())
-    fsdp_params = stratagem_world.run(start_and_train, sg.fsdp())
+    ddp_params = stratagem_world.run(start_and_train, sg.ddp(device="cpu"))
+    fsdp_params = stratagem_world.run(start_and_train, sg.fsdp(device="cpu"))
     for name, value in ddp_params[0].items():
         assert torch.allclose(fsdp_params[0][name], value, atol=1e-6), name
         assert torch.equal(fsdp_params[1][name], fsdp_params[0][name]), name
@@ -204,10 +207,14 @@ def starting_buffers(strategy, ctx):
 
 
 def test_fsdp_broadcasts_buffers_too_and_can_be_told_not_to(stratagem_world):
-    (mean0, full0, own0), (mean1, full1, own1) = stratagem_world.run(starting_buffers, sg.fsdp())
+    (mean0, full0, own0), (mean1, full1, own1) = stratagem_world.run(
+        starting_buffers, sg.fsdp(device="cpu")
+    )
     assert mean0 == mean1 == [0.0] * 4
     assert torch.equal(full0, own0) and torch.equal(full1, own0), "rank 0's weights everywhere"
-    unsynced = stratagem_world.run(starting_buffers, sg.fsdp(sync_module_states=False))
+    unsynced = stratagem_world.run(
+        starting_buffers, sg.fsdp(sync_module_states=False, device="cpu")
+    )
     (mean0, full, own0), (mean1, _, own1) = unsynced
     assert mean0 == [0.0] * 4 and mean1 == [1.0] * 4
     assert torch.equal(full[:2], own0[:2]) and torch.equal(full[2:], own1[2:]), "stitched"
@@ -333,7 +340,7 @@ def half_on_meta(strategy, ctx):
 
 
 def test_fsdp_refuses_ranks_that_disagree_about_the_meta_device(stratagem_world):
-    messages = stratagem_world.run(half_on_meta, sg.fsdp())
+    messages = stratagem_world.run(half_on_meta, sg.fsdp(device="cpu"))
     assert messages[0] == messages[1]
     assert "rank(s) [1] hold the module on the meta device" in messages[0]
 
@@ -349,6 +356,6 @@ def ddp_starting_buffers(strategy, ctx):
 
 def test_ddp_without_buffer_broadcasts_still_starts_from_rank_zeros_buffers(stratagem_world):
     (mean0, w0), (mean1, w1) = stratagem_world.run(
-        ddp_starting_buffers, sg.ddp(broadcast_buffers=False)
+        ddp_starting_buffers, sg.ddp(broadcast_buffers=False, device="cpu")
     )
     assert mean0 == mean1 == [0.0] * 4 and torch.equal(w0, w1)

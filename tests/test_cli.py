@@ -26,6 +26,7 @@ LAUNCHER = re.compile(
 def command_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not LAUNCHER.match(k)}
     env["PYTHONPATH"] = os.pathsep.join([str(LIB), os.environ.get("PYTHONPATH", "")])
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the demo's runs here mean the CPU, on any host
     return {**env, **extra}
 
 
@@ -206,11 +207,14 @@ def test_the_loss_curve_reaches_the_launcher_averaged_over_ranks():
     data, threads = load("synthetic"), torch.get_num_threads()
     try:
         ranks = stratagem.launch(
-            train, stratagem.ddp_spawn(), devices=2, args=(data, Config(2, 128, shown=False))
+            train,
+            stratagem.ddp_spawn(device="cpu"),
+            devices=2,
+            args=(data, Config(2, 128, shown=False)),
         )
         # train() sets one thread for the ranks it runs on; here that is this process.
         [alone] = stratagem.launch(
-            train, stratagem.single_device(), args=(data, Config(2, 256, shown=False))
+            train, stratagem.single_device(device="cpu"), args=(data, Config(2, 256, shown=False))
         )
     finally:
         torch.set_num_threads(threads)

@@ -57,7 +57,7 @@ def collective_results(strategy, ctx):
 
 @pytest.fixture(scope="module")
 def results():
-    return sg.launch(collective_results, sg.ddp_spawn(), devices=2)
+    return sg.launch(collective_results, sg.ddp_spawn(device="cpu"), devices=2)
 
 
 @pytest.mark.parametrize("dtype", FLOATS + INTS, ids=str)

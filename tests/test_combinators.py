@@ -293,7 +293,7 @@ def stacked(base):
 
 @pytest.mark.slow
 def test_stacked_combinators_on_ddp_equal_the_plain_loop():
-    ranks = sg.launch(two_rank_runs, stacked(sg.ddp_spawn()), devices=2)
+    ranks = sg.launch(two_rank_runs, stacked(sg.ddp_spawn(device="cpu")), devices=2)
     reference = plain_training()
     for result in ranks:
         assert close(result["stacked"], reference, 1e-6)
@@ -307,7 +307,7 @@ def test_stacked_combinators_on_single_device_equal_the_plain_loop():
 
 @pytest.mark.slow
 def test_ddp_with_combinators_obeys_the_laws(stratagem_world):
-    strategy = sg.with_clipping(sg.with_precision(sg.ddp(), "bf16-mixed"), max_norm=1e6)
+    strategy = sg.with_clipping(sg.with_precision(sg.ddp(device="cpu"), "bf16-mixed"), max_norm=1e6)
     laws.check_step_autocast(
         strategy, default_module(), BATCH, torch.bfloat16, world=stratagem_world
     )
@@ -320,7 +320,9 @@ def test_ddp_with_combinators_obeys_the_laws(stratagem_world):
 @pytest.mark.slow
 def test_a_step_that_skips_the_autocast_is_caught(stratagem_world):
     broken = attrs.evolve(
-        sg.with_precision(sg.ddp(), "bf16-mixed"), name="no-autocast", step=training.step
+        sg.with_precision(sg.ddp(device="cpu"), "bf16-mixed"),
+        name="no-autocast",
+        step=training.step,
     )
     with pytest.raises(LawViolation, match=r"(?s)'step-autocast'.*'no-autocast'.*autocast off"):
         laws.check_step_autocast(

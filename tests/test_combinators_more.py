@@ -181,7 +181,9 @@ def test_sinks(tmp_path):
     with pytest.raises(TypeError, match=r"spawned ranks need .* JsonLinesSink"):
         pickle.dumps(listed)
     with pytest.raises(sg.LaunchError, match="JsonLinesSink"):
-        sg.launch(traced_loop, sg.traced(sg.ddp_spawn(), listed), devices=2, args=(tmp_path,))
+        sg.launch(
+            traced_loop, sg.traced(sg.ddp_spawn(device="cpu"), listed), devices=2, args=(tmp_path,)
+        )
     [failed] = listed.events  # the launch itself was traced, with its error
     assert (failed.field, failed.rank, failed.error) == (
         "launch",
@@ -202,8 +204,10 @@ def traced_two_ranks(strategy, ctx, untraced, path, directory):
 @pytest.mark.slow
 def test_traced_ddp_equals_untraced_and_records_every_call_of_every_rank(stratagem_world, tmp_path):
     path = str(tmp_path / "trace.jsonl")
-    strategy = sg.traced(sg.ddp(), sg.JsonLinesSink(path))
-    ranks = stratagem_world.run(traced_two_ranks, strategy, sg.ddp(), path, str(tmp_path))
+    strategy = sg.traced(sg.ddp(device="cpu"), sg.JsonLinesSink(path))
+    ranks = stratagem_world.run(
+        traced_two_ranks, strategy, sg.ddp(device="cpu"), path, str(tmp_path)
+    )
     for rank, (bitwise, calls, events) in enumerate(ranks):
         assert bitwise, f"rank {rank}: traced training differs from untraced"
         assert counts(events, rank) == calls + collections.Counter(["setup"])  # joined once
@@ -252,7 +256,9 @@ def disagree(strategy, ctx, relaxed):
 @pytest.mark.slow
 def test_checked_raises_on_every_rank_instead_of_hanging(stratagem_world):
     ranks = stratagem_world.run(
-        disagree, sg.checked(sg.ddp()), sg.checked(sg.ddp(), compare_sites=False)
+        disagree,
+        sg.checked(sg.ddp(device="cpu")),
+        sg.checked(sg.ddp(device="cpu"), compare_sites=False),
     )
     expected = {
         "shapes": ["reduce(op='sum', shape=(3,)", "reduce(op='sum', shape=(4,)"],
@@ -314,16 +320,19 @@ def test_mixed_precision_under_fsdp_sets_the_mp_policy():
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     for precision, dtype in (("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16)):
-        wrap = sg.with_precision(sg.fsdp(), precision).wrap
+        wrap = sg.with_precision(sg.fsdp(device="cpu"), precision).wrap
         assert wrap.inner.mp_policy == MixedPrecisionPolicy(
             param_dtype=dtype, reduce_dtype=torch.float32
         )
-    assert sg.with_precision(sg.fsdp(), "bf16-true").wrap.inner.mp_policy is None
+    assert sg.with_precision(sg.fsdp(device="cpu"), "bf16-true").wrap.inner.mp_policy is None
     # Found under other combinators' wrap layers too.
-    layered = sg.with_precision(sg.traced(sg.fsdp(), sg.ListSink()), "bf16-mixed").wrap
+    layered = sg.with_precision(sg.traced(sg.fsdp(device="cpu"), sg.ListSink()), "bf16-mixed").wrap
     assert layered.inner.inner.mp_policy.param_dtype == torch.bfloat16
     # Nothing changes for a strategy without FSDP.
-    assert sg.with_precision(sg.ddp(), "bf16-mixed").wrap.inner == sg.ddp().wrap
+    assert (
+        sg.with_precision(sg.ddp(device="cpu"), "bf16-mixed").wrap.inner
+        == sg.ddp(device="cpu").wrap
+    )
 
 
 def precision_run(strategy, ctx):
@@ -353,7 +362,7 @@ def precision_run(strategy, ctx):
 def test_mixed_precision_under_fsdp_trains_close_to_32_true(
     stratagem_world, precision, dtype, atol
 ):
-    strategy = sg.with_precision(sg.fsdp(), precision)
+    strategy = sg.with_precision(sg.fsdp(device="cpu"), precision)
     reference = plain_training()
     for params, seen, grad_dtype in stratagem_world.run(precision_run, strategy):
         assert seen == {"param": dtype, "autocast": True}
@@ -383,7 +392,12 @@ def test_mixed_precision_under_fsdp_trains_close_to_32_true(
         (lambda s: sg.checked(s, compare_sites=1), sg.UsageError, "'compare_sites' must be"),
         (
             lambda s: sg.with_precision(
-                sg.fsdp(mp_policy=sg.with_precision(sg.fsdp(), "bf16-mixed").wrap.inner.mp_policy),
+                sg.fsdp(
+                    mp_policy=sg.with_precision(
+                        sg.fsdp(device="cpu"), "bf16-mixed"
+                    ).wrap.inner.mp_policy,
+                    device="cpu",
+                ),
                 "bf16-mixed",
             ),
             sg.CombinatorError,
@@ -404,12 +418,12 @@ def test_combinators_touch_only_their_fields():
         "traced": (sg.traced(base, print), every),
         "checked": (sg.checked(base), {"name", "reduce", "gather", "broadcast", "barrier"}),
         "precision on fsdp": (
-            sg.with_precision(sg.fsdp(), "bf16-mixed"),
+            sg.with_precision(sg.fsdp(device="cpu"), "bf16-mixed"),
             {"name", "setup", "wrap", "step"},
         ),
     }
     for what, (derived, fields) in touched.items():
-        original = sg.fsdp() if what == "precision on fsdp" else base
+        original = sg.fsdp(device="cpu") if what == "precision on fsdp" else base
         changed = {
             f.name
             for f in attrs.fields(sg.Strategy)
@@ -455,7 +469,7 @@ def test_every_combinator_stacked_on_single_device_equals_the_plain_loop():
 def test_every_combinator_stacked_on_ddp_equals_the_plain_loop(tmp_path):
     # 16 rows a step: each rank's micro-batches have the 4 rows of the single-device stack.
     sink = sg.JsonLinesSink(tmp_path / "trace.jsonl")
-    ranks = sg.launch(stacked_run, stack(sg.ddp_spawn(), sink), devices=2, args=(16,))
+    ranks = sg.launch(stacked_run, stack(sg.ddp_spawn(device="cpu"), sink), devices=2, args=(16,))
     reference = plain_training(size=16)
     for result in ranks:
         assert max_gap(result["params"], reference) <= 1e-5
@@ -474,7 +488,11 @@ def test_every_combinator_but_compile_stacked_on_fsdp_equals_the_plain_loop(
     stratagem_world, tmp_path
 ):
     sink = sg.JsonLinesSink(tmp_path / "trace.jsonl")
-    exact = stack(sg.fsdp(shard_when=sg.every_module_of(torch.nn.Linear)), sink, compile_it=False)
+    exact = stack(
+        sg.fsdp(shard_when=sg.every_module_of(torch.nn.Linear), device="cpu"),
+        sink,
+        compile_it=False,
+    )
     ranks = stratagem_world.run(stacked_run, exact, 8)
     reference = plain_training()
     for result in ranks:
@@ -485,6 +503,6 @@ def test_every_combinator_but_compile_stacked_on_fsdp_equals_the_plain_loop(
         recorded = counts(events, rank)
         for field, count in result["calls"].items():
             assert recorded[field] == count, (rank, field)
-    mixed = stack(sg.fsdp(), discard, precision="bf16-mixed", compile_it=False)
+    mixed = stack(sg.fsdp(device="cpu"), discard, precision="bf16-mixed", compile_it=False)
     for result in stratagem_world.run(stacked_run, mixed, 8):
         assert max_gap(result["params"], reference) <= 2e-2

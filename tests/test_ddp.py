@@ -87,7 +87,7 @@ def single_runs():
 
 
 def test_two_ranks_equal_one_rank_on_the_whole_batch():
-    ranks = sg.launch(equivalence_runs, sg.ddp_spawn(), devices=2)
+    ranks = sg.launch(equivalence_runs, sg.ddp_spawn(device="cpu"), devices=2)
     reference = single_runs()
     initial = list(make_model().parameters())
     for case in ("even", "uneven", "accumulated"):

@@ -98,7 +98,7 @@ def test_a_world_of_many_is_refused():
 
 
 def test_dp_is_single_device_with_setup_and_wrap_substituted():
-    dp, single = sg.dp(), sg.single_device()
+    dp, single = sg.dp(), sg.single_device(device="cpu")
     differing = [
         f.name for f in attrs.fields(sg.Strategy) if getattr(dp, f.name) != getattr(single, f.name)
     ]

@@ -38,7 +38,7 @@ VOCABULARY = len(gpt.encode_text(gpt.load_text())[1])  # 103 characters on CPyth
 
 
 def config(**changes) -> gpt.Config:
-    return dataclasses.replace(gpt.Config(), verbose=False, **changes)
+    return dataclasses.replace(gpt.Config(), verbose=False, device="cpu", **changes)
 
 
 def run(world, cfg: gpt.Config) -> list[dict]:
@@ -212,10 +212,9 @@ def check_output(done: subprocess.CompletedProcess[str], reference: list[dict], 
 
 
 def test_the_script_runs_on_two_spawned_ranks(stratagem_world, tmp_path):
-    done = run_script([sys.executable, str(SCRIPT), "--iters", "4"], tmp_path)
-    reference = run(
-        stratagem_world, dataclasses.replace(gpt.parse_args(["--iters", "4"]), verbose=False)
-    )
+    args = ["--iters", "4", "--device", "cpu"]
+    done = run_script([sys.executable, str(SCRIPT), *args], tmp_path)
+    reference = run(stratagem_world, dataclasses.replace(gpt.parse_args(args), verbose=False))
     check_output(done, reference, "ddp_spawn+clip+accumulate2")
     assert [len(result["losses"]) for result in reference] == [4, 4]
 
@@ -234,8 +233,10 @@ def test_the_script_runs_under_torchrun(stratagem_world, tmp_path):
         "4",
         "--strategy",
         "fsdp",
+        "--device",
+        "cpu",
     ]
     done = run_script(command, tmp_path)
-    args = ["--iters", "4", "--strategy", "fsdp"]
+    args = ["--iters", "4", "--strategy", "fsdp", "--device", "cpu"]
     reference = run(stratagem_world, dataclasses.replace(gpt.parse_args(args), verbose=False))
     check_output(done, reference, "fsdp+clip+accumulate2")

@@ -111,7 +111,7 @@ def test_a_taken_rendezvous_port_is_a_clear_error_not_a_hang():
         env = sg.Env(rank=0, world_size=2, local_world_size=2, master_port=port, source="slurm")
         start = time.monotonic()
         with pytest.raises(sg.LaunchError, match=rf"port {port}: it is in use.*Set MASTER_PORT"):
-            sg.ddp(timeout=20).setup(env)
+            sg.ddp(timeout=20, device="cpu").setup(env)
         assert time.monotonic() - start < 20
 
 
@@ -134,11 +134,14 @@ def one_reduce(strategy, ctx):
 
 
 def test_fifty_launches_leak_nothing():
-    sg.launch(one_reduce, sg.ddp_spawn(), devices=2)  # warm: resource tracker, imports
+    sg.launch(one_reduce, sg.ddp_spawn(device="cpu"), devices=2)  # warm: resource tracker, imports
     before = count_open()
     children_before = set(os.listdir("/proc"))
     for _ in range(50):
-        assert sg.launch(one_reduce, sg.ddp_spawn(), devices=2) == [[1.0, 1.0], [1.0, 1.0]]
+        assert sg.launch(one_reduce, sg.ddp_spawn(device="cpu"), devices=2) == [
+            [1.0, 1.0],
+            [1.0, 1.0],
+        ]
     time.sleep(0.5)
     after = count_open()
     assert after == before, (before, after)
@@ -184,7 +187,10 @@ def test_a_rank_raising_during_a_save_keeps_the_last_good_checkpoint(tmp_path):
     start = time.monotonic()
     with pytest.raises(sg.RankError, match="rank 1 failed: OSError: disk full on rank 1"):
         sg.launch(
-            save_then_fail, sg.ddp_spawn(start=sg.Spawn(stop_grace=5.0)), devices=2, args=(path,)
+            save_then_fail,
+            sg.ddp_spawn(start=sg.Spawn(stop_grace=5.0), device="cpu"),
+            devices=2,
+            args=(path,),
         )
     assert time.monotonic() - start < 90
     strategy = sg.single_device("cpu")

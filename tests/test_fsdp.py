@@ -137,7 +137,7 @@ def other_checks(strategy, ctx) -> dict[str, Any]:
     out["fsdp_keys"] = list(model.state_dict())
     out["unwrap_is_identity"] = sg.unwrap(model) is model
     out["local_shape"] = tuple(model[0].weight.to_local().shape)
-    ddp_model = sg.ddp().wrap(nested_model(), ctx)
+    ddp_model = sg.ddp(device="cpu").wrap(nested_model(), ctx)
     out["ddp_keys"], out["ddp_raw_keys"] = (
         list(sg.unwrap(ddp_model).state_dict()),
         list(ddp_model.state_dict()),
@@ -157,10 +157,12 @@ def other_checks(strategy, ctx) -> dict[str, Any]:
     strategy.backward(strategy.step(model, batches()[0], ctx, forward=mean_loss), model, ctx)
     out["optimizer_before_wrap"] = error_of(lambda: strategy.update(early, model, ctx))
 
-    out["bad_policy"] = error_of(lambda: sg.fsdp(shard_when=lambda m: 1).wrap(nested_model(), ctx))
+    out["bad_policy"] = error_of(
+        lambda: sg.fsdp(shard_when=lambda m: 1, device="cpu").wrap(nested_model(), ctx)
+    )
     out["wrap_twice"] = error_of(lambda: strategy.wrap(model, ctx))
 
-    mixed = sg.fsdp(mp_policy=MixedPrecisionPolicy(param_dtype=torch.float64)).wrap(
+    mixed = sg.fsdp(mp_policy=MixedPrecisionPolicy(param_dtype=torch.float64), device="cpu").wrap(
         nested_model(), ctx
     )
     out["mixed_params"] = {p.dtype for p in mixed.parameters()}
@@ -370,7 +372,7 @@ def test_a_world_that_does_not_factor_fails_before_joining(world, local, shard_s
 def test_wrap_needs_the_mesh_of_fsdp_setup():
     ctx = sg.single_device("cpu").setup(sg.Env())
     with pytest.raises(sg.UsageError, match=r"ctx.extras has no 'mesh'; pass the Context"):
-        sg.fsdp().wrap(nested_model(), ctx)
+        sg.fsdp(device="cpu").wrap(nested_model(), ctx)
 
 
 def test_no_sync_needs_the_wrapped_module():
@@ -378,7 +380,7 @@ def test_no_sync_needs_the_wrapped_module():
     with pytest.raises(
         sg.UsageError, match=r"must be the module wrap returned \(an FSDPModule\), got Sequential"
     ):
-        sg.fsdp().no_sync(nested_model(), ctx)
+        sg.fsdp(device="cpu").no_sync(nested_model(), ctx)
 
 
 def test_policies_on_plain_modules():
@@ -395,19 +397,24 @@ def test_policies_on_plain_modules():
 
 
 def test_records_are_picklable_and_compare_by_value():
-    strategy = sg.fsdp_spawn(shard_when=LINEAR, reshard_after_forward=False, shard_size="node")
+    strategy = sg.fsdp_spawn(
+        shard_when=LINEAR, reshard_after_forward=False, shard_size="node", device="cpu"
+    )
     assert pickle.loads(pickle.dumps(strategy)) == strategy
-    assert sg.fsdp(shard_when=sg.above_parameters(5)) == sg.fsdp(shard_when=sg.above_parameters(5))
+    assert sg.fsdp(shard_when=sg.above_parameters(5), device="cpu") == sg.fsdp(
+        shard_when=sg.above_parameters(5), device="cpu"
+    )
     differing = [
         field.name
         for field in attrs.fields(sg.Strategy)
-        if getattr(sg.fsdp(), field.name) != getattr(sg.fsdp_spawn(), field.name)
+        if getattr(sg.fsdp(device="cpu"), field.name)
+        != getattr(sg.fsdp_spawn(device="cpu"), field.name)
     ]
     assert differing == ["name", "launch"]
 
 
 def test_fsdp_reuses_the_ddp_fields_it_does_not_change():
-    fsdp, ddp = sg.fsdp(), sg.ddp()
+    fsdp, ddp = sg.fsdp(device="cpu"), sg.ddp(device="cpu")
     same = [
         f.name for f in attrs.fields(sg.Strategy) if getattr(fsdp, f.name) == getattr(ddp, f.name)
     ]

@@ -135,7 +135,13 @@ def keywords(function: Callable[..., Any], *leave_out: str) -> list[str]:
 
 
 SINGLE = sg.single_device("cpu")
-BASES = [SINGLE, sg.ddp(device="cpu"), sg.allreduce_grads(), sg.dp(), sg.ddp_spawn()]
+BASES = [
+    SINGLE,
+    sg.ddp(device="cpu"),
+    sg.allreduce_grads(device="cpu"),
+    sg.dp(),
+    sg.ddp_spawn(device="cpu"),
+]
 strategies_or_junk = st.one_of(st.sampled_from(BASES), junk)
 
 

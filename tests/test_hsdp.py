@@ -84,7 +84,7 @@ def reference() -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_hsdp_accumulates_without_any_collective_until_the_last_micro_batch():
-    strategy = sg.accumulate(sg.spawned(sg.hsdp(replicate=2, shard=2)), MICRO)
+    strategy = sg.accumulate(sg.spawned(sg.hsdp(replicate=2, shard=2, device="cpu")), MICRO)
     results = sg.launch(train_counting, strategy, devices=4)
     expected = reference()
     for rank, result in enumerate(results):
@@ -100,10 +100,10 @@ def test_hsdp_accumulates_without_any_collective_until_the_last_micro_batch():
 
 
 def test_hsdp_checks_its_sizes_against_the_world_before_joining():
-    strategy = sg.hsdp(replicate=3, shard=2)
+    strategy = sg.hsdp(replicate=3, shard=2, device="cpu")
     with pytest.raises(sg.UsageError, match=r"replicate=3 x shard=2 is 6 ranks, but the world"):
         strategy.setup(sg.Env(rank=0, world_size=4, local_world_size=4))
     with pytest.raises(sg.UsageError, match=r"hsdp: 'replicate' must be a positive int"):
-        sg.hsdp(replicate=0, shard=2)
+        sg.hsdp(replicate=0, shard=2, device="cpu")
     with pytest.raises(sg.UsageError, match=r"hsdp: 'shard' must be a positive int"):
-        sg.hsdp(replicate=2, shard="2")
+        sg.hsdp(replicate=2, shard="2", device="cpu")

@@ -83,7 +83,7 @@ def train_a_little(strategy, ctx):
 
 
 def test_results_come_back_in_rank_order(no_leftovers):
-    results = sg.launch(whoami, sg.ddp_spawn(), devices=2, args=("x",))
+    results = sg.launch(whoami, sg.ddp_spawn(device="cpu"), devices=2, args=("x",))
     assert [(r["rank"], r["world"], r["tag"], r["main"]) for r in results] == [
         (0, 2, "x", True),
         (1, 2, "x", False),
@@ -94,7 +94,7 @@ def test_results_come_back_in_rank_order(no_leftovers):
 def test_a_rank_that_raises_is_named_with_its_traceback(no_leftovers):
     start = time.monotonic()
     with pytest.raises(sg.RankError) as info:
-        sg.launch(raise_on_rank_one, sg.ddp_spawn(), devices=2)
+        sg.launch(raise_on_rank_one, sg.ddp_spawn(device="cpu"), devices=2)
     error = info.value
     assert (error.rank, error.exc_type, error.exitcode) == (1, "KeyError", None)
     assert "decoder.9" in error.message
@@ -107,7 +107,7 @@ def test_a_rank_that_raises_is_named_with_its_traceback(no_leftovers):
 def test_a_killed_rank_is_reported_with_its_signal(no_leftovers):
     start = time.monotonic()
     with pytest.raises(sg.RankError, match="rank 1 failed: .*killed by signal 9") as info:
-        sg.launch(killed_mid_collective, sg.ddp_spawn(), devices=2)
+        sg.launch(killed_mid_collective, sg.ddp_spawn(device="cpu"), devices=2)
     assert info.value.exitcode == -signal.SIGKILL
     assert info.value.exc_type is None
     assert time.monotonic() - start < 60
@@ -121,16 +121,16 @@ def test_unpicklable_functions_are_refused_before_any_process_starts(no_leftover
         with pytest.raises(
             sg.LaunchError, match="cannot be sent to spawned processes.*module level"
         ):
-            sg.launch(fn, sg.ddp_spawn(), devices=2)
+            sg.launch(fn, sg.ddp_spawn(device="cpu"), devices=2)
     with pytest.raises(sg.LaunchError, match="args"):
-        sg.launch(whoami, sg.ddp_spawn(), devices=2, args=(lambda: 0,))
+        sg.launch(whoami, sg.ddp_spawn(device="cpu"), devices=2, args=(lambda: 0,))
 
 
 def test_many_launches_in_a_row_neither_hang_nor_leak(no_leftovers):
     # Each launch ends with a DDP model freed before the gloo group is destroyed; a
     # teardown that depended on luck would hang one launch in ten here.
     start = time.monotonic()
-    outcomes = [sg.launch(train_a_little, sg.ddp_spawn(), devices=2) for _ in range(5)]
+    outcomes = [sg.launch(train_a_little, sg.ddp_spawn(device="cpu"), devices=2) for _ in range(5)]
     assert all(len(set(o)) == 1 for o in outcomes)  # ranks agree: gradients were synchronised
     assert len({o[0] for o in outcomes}) == 1  # and every launch computed the same thing
     assert time.monotonic() - start < 180
@@ -141,19 +141,19 @@ def test_in_place_under_torchrun_checks_devices(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     with pytest.raises(sg.LaunchError, match="devices=2 but 'torchrun' started 1 .*devices=1"):
-        sg.launch(whoami, sg.ddp(), devices=2, args=("x",))
+        sg.launch(whoami, sg.ddp(device="cpu"), devices=2, args=("x",))
     # A spawning strategy runs in place inside another launcher's world.
-    [result] = sg.launch(whoami, sg.ddp_spawn(), devices="auto", args=("y",))
+    [result] = sg.launch(whoami, sg.ddp_spawn(device="cpu"), devices="auto", args=("y",))
     assert (result["pid"], result["world"]) == (os.getpid(), 1)
 
 
 def test_ddp_outside_a_launcher_points_to_ddp_spawn():
     with pytest.raises(sg.LaunchError, match="torchrun --nproc-per-node 2, or use .*ddp_spawn"):
-        sg.launch(whoami, sg.ddp(), devices=2, args=("x",))
+        sg.launch(whoami, sg.ddp(device="cpu"), devices=2, args=("x",))
 
 
 def test_ddp_on_one_device_runs_in_place_without_a_port():
-    [result] = sg.launch(train_a_little, sg.ddp(), devices=1)
+    [result] = sg.launch(train_a_little, sg.ddp(device="cpu"), devices=1)
     assert isinstance(result, float)
 
 
@@ -180,12 +180,15 @@ def test_spawn_settings_are_validated():
 
 def test_spawning_is_one_substitution_of_the_launch_field():
     for spawning, plain in [
-        (sg.ddp_spawn(bucket_cap_mb=8), sg.ddp(bucket_cap_mb=8)),
-        (sg.fsdp_spawn(shard_size=2), sg.fsdp(shard_size=2)),
-        (sg.allreduce_grads_spawn(bucket_mb=4), sg.allreduce_grads(bucket_mb=4)),
+        (sg.ddp_spawn(bucket_cap_mb=8, device="cpu"), sg.ddp(bucket_cap_mb=8, device="cpu")),
+        (sg.fsdp_spawn(shard_size=2, device="cpu"), sg.fsdp(shard_size=2, device="cpu")),
+        (
+            sg.allreduce_grads_spawn(bucket_mb=4, device="cpu"),
+            sg.allreduce_grads(bucket_mb=4, device="cpu"),
+        ),
     ]:
         assert spawning == sg.spawned(plain)
         assert spawning.name == f"{plain.name}_spawn"
         assert attrs.evolve(spawning, name=plain.name, launch=plain.launch) == plain
-    custom = sg.spawned(sg.ddp(), sg.Spawn(stop_grace=9))
+    custom = sg.spawned(sg.ddp(device="cpu"), sg.Spawn(stop_grace=9))
     assert custom.launch == sg.Spawn(stop_grace=9)

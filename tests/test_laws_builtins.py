@@ -21,7 +21,11 @@ SETTINGS = settings(
 
 @pytest.mark.parametrize(
     "factory",
-    [sg.fsdp, sg.allreduce_grads, lambda: sg.fsdp(shard_when=sg.every_module_of(torch.nn.Linear))],
+    [
+        sg.fsdp,
+        sg.allreduce_grads,
+        lambda: sg.fsdp(shard_when=sg.every_module_of(torch.nn.Linear), device="cpu"),
+    ],
     ids=["fsdp-root", "allreduce_grads", "fsdp-every-linear"],
 )
 def test_two_rank_built_ins_obey_every_law(stratagem_world, tmp_path, factory):
@@ -58,8 +62,8 @@ def test_one_rank_built_ins_obey_every_law(world_of_one, tmp_path, factory):
 @SETTINGS
 @given(module=kit.modules(), batch=kit.batches(world_size=2))
 def test_ddp_step_law_on_generated_modules_and_batches(stratagem_world, module, batch):
-    laws.check_data_parallel_step(sg.ddp(), module, batch, world=stratagem_world)
-    laws.check_wrap(sg.ddp(), module, batch, world=stratagem_world)
+    laws.check_data_parallel_step(sg.ddp(device="cpu"), module, batch, world=stratagem_world)
+    laws.check_wrap(sg.ddp(device="cpu"), module, batch, world=stratagem_world)
 
 
 @SETTINGS
@@ -78,15 +82,18 @@ def test_stacks_of_combinators_keep_the_laws(world_of_one, strategy, module, bat
 def test_integer_reduce_law_on_allreduce_grads(stratagem_world, op, seed):
     generator = torch.Generator().manual_seed(seed)
     values = [torch.randint(-50, 50, (3,), generator=generator) for _ in range(2)]
-    laws.check_reduce(sg.allreduce_grads(), values, op, world=stratagem_world)
+    laws.check_reduce(sg.allreduce_grads(device="cpu"), values, op, world=stratagem_world)
 
 
 def combinator_stacks(tmp_path):
     return {
-        "checked": (sg.checked(sg.ddp()), 1e-6),
-        "traced": (sg.traced(sg.ddp(), sg.JsonLinesSink(str(tmp_path / "trace.jsonl"))), 1e-6),
+        "checked": (sg.checked(sg.ddp(device="cpu")), 1e-6),
+        "traced": (
+            sg.traced(sg.ddp(device="cpu"), sg.JsonLinesSink(str(tmp_path / "trace.jsonl"))),
+            1e-6,
+        ),
         "bf16-mixed+clip": (
-            sg.with_clipping(sg.with_precision(sg.ddp(), "bf16-mixed"), max_norm=1e6),
+            sg.with_clipping(sg.with_precision(sg.ddp(device="cpu"), "bf16-mixed"), max_norm=1e6),
             2e-2,
         ),
     }

@@ -120,7 +120,11 @@ def assert_trains_as_one_process(results: list[dict], expected: dict, pipelines:
 def test_each_schedule_on_two_ranks_trains_as_one_process(schedule):
     strategy = sg.spawned(
         sg.pipeline(
-            stages=SCHEDULES[schedule], schedule=schedule, microbatches=MICROBATCHES, timeout=60
+            stages=SCHEDULES[schedule],
+            schedule=schedule,
+            microbatches=MICROBATCHES,
+            timeout=60,
+            device="cpu",
         )
     )
     results = sg.launch(train, strategy, devices=2)
@@ -133,7 +137,9 @@ def test_each_schedule_on_two_ranks_trains_as_one_process(schedule):
 def test_each_schedule_as_dp_x_pp_on_four_ranks_trains_as_one_process(schedule):
     stages = SCHEDULES[schedule]
     strategy = sg.spawned(
-        sg.pipeline(stages=stages, schedule=schedule, microbatches=2, size=2, timeout=60)
+        sg.pipeline(
+            stages=stages, schedule=schedule, microbatches=2, size=2, timeout=60, device="cpu"
+        )
     )
     results = sg.launch(train, strategy, devices=4)
     # ("dp", "pp"): pipelines of consecutive ranks, each replica its own half of the batch.
@@ -151,7 +157,11 @@ def test_a_transformer_trains_as_one_process(schedule):
     }
     strategy = sg.spawned(
         sg.pipeline(
-            stages=stages[schedule], schedule=schedule, microbatches=MICROBATCHES, timeout=60
+            stages=stages[schedule],
+            schedule=schedule,
+            microbatches=MICROBATCHES,
+            timeout=60,
+            device="cpu",
         )
     )
     results = sg.launch(train, strategy, devices=2, args=("transformer",))
@@ -198,7 +208,9 @@ COMBINED = {
 def test_a_combinator_on_a_pipeline_trains_as_on_one_process(combined):
     # Clipping: the norm is the whole model's, over every stage, not each rank's own.
     combinator, tolerance = COMBINED[combined]
-    strategy = sg.spawned(combinator(sg.pipeline(stages=TWO, schedule="1f1b", microbatches=4)))
+    strategy = sg.spawned(
+        combinator(sg.pipeline(stages=TWO, schedule="1f1b", microbatches=4, device="cpu"))
+    )
     results = sg.launch(train_reporting_norms, strategy, devices=2)
     alone = combinator(sg.single_device("cpu"))
     expected = train_reporting_norms(alone, alone.setup(sg.Env()))
@@ -213,12 +225,12 @@ def test_a_combinator_on_a_pipeline_trains_as_on_one_process(combined):
 
 def test_combinators_that_change_the_loss_before_backward_refuse_a_pipeline():
     # A pipeline's step has run the backward: a loss scaled afterwards would reach no gradient.
-    strategy = sg.pipeline(stages=TWO, schedule="1f1b", microbatches=4)
+    strategy = sg.pipeline(stages=TWO, schedule="1f1b", microbatches=4, device="cpu")
     with pytest.raises(sg.CombinatorError, match=r"microbatches=8"):
         sg.accumulate(strategy, 2)
     with pytest.raises(sg.CombinatorError, match=r"'16-mixed'.*bf16-mixed"):
         sg.with_precision(strategy, "16-mixed")
-    sg.accumulate(sg.with_precision(sg.ddp(), "16-mixed"), 2)  # no pipeline: accepted
+    sg.accumulate(sg.with_precision(sg.ddp(device="cpu"), "16-mixed"), 2)  # no pipeline: accepted
 
 
 def train_two_steps_an_update(strategy, ctx) -> dict[str, object]:
@@ -236,7 +248,7 @@ def train_two_steps_an_update(strategy, ctx) -> dict[str, object]:
 
 @pytest.mark.slow
 def test_two_steps_before_an_update_add_their_gradients_as_one_process_does():
-    strategy = sg.spawned(sg.pipeline(stages=TWO, schedule="1f1b", microbatches=2))
+    strategy = sg.spawned(sg.pipeline(stages=TWO, schedule="1f1b", microbatches=2, device="cpu"))
     results = sg.launch(train_two_steps_an_update, strategy, devices=2)
     alone = sg.single_device("cpu")
     expected = train_two_steps_an_update(alone, alone.setup(sg.Env()))
@@ -283,7 +295,9 @@ def test_a_rank_raising_mid_schedule_stops_the_others_naming_it(schedule, failin
     # pipelining has hung there before, pytorch#132644); the launcher must end it, promptly.
     stages = (("0", "1"), ("2", "3"))
     strategy = sg.spawned(
-        sg.pipeline(stages=stages, schedule=schedule, microbatches=MICROBATCHES, timeout=60),
+        sg.pipeline(
+            stages=stages, schedule=schedule, microbatches=MICROBATCHES, timeout=60, device="cpu"
+        ),
         sg.Spawn(stop_grace=5),
     )
     started = time.monotonic()
@@ -301,47 +315,50 @@ def test_a_rank_raising_mid_schedule_stops_the_others_naming_it(schedule, failin
 
 def test_a_bad_configuration_is_refused_at_construction_naming_the_fix():
     with pytest.raises(sg.UsageError, match=r"'schedule' must be one of 'gpipe', '1f1b'"):
-        sg.pipeline(stages=TWO, schedule="zigzag", microbatches=4)  # type: ignore[arg-type]
+        sg.pipeline(stages=TWO, schedule="zigzag", microbatches=4, device="cpu")  # type: ignore[arg-type]
     with pytest.raises(sg.UsageError, match=r"'microbatches' must be a positive int \(got 0"):
-        sg.pipeline(stages=TWO, microbatches=0)
+        sg.pipeline(stages=TWO, microbatches=0, device="cpu")
     with pytest.raises(sg.UsageError, match=r"'stages' must be a list of stages"):
-        sg.pipeline(stages="0123", microbatches=4)  # type: ignore[arg-type]
+        sg.pipeline(stages="0123", microbatches=4, device="cpu")  # type: ignore[arg-type]
     with pytest.raises(sg.UsageError, match=r"needs at least as many micro-batches as stages"):
-        sg.pipeline(stages=TWO, schedule="1f1b", microbatches=1, size=2)
+        sg.pipeline(stages=TWO, schedule="1f1b", microbatches=1, size=2, device="cpu")
     with pytest.raises(sg.UsageError, match=r"several stages on each rank.*module paths"):
         sg.pipeline(
-            stages=lambda module, index, count: module, schedule="zbv-zero-bubble", microbatches=4
+            stages=lambda module, index, count: module,
+            schedule="zbv-zero-bubble",
+            microbatches=4,
+            device="cpu",
         )
 
 
 def test_a_stage_count_or_size_that_does_not_fit_the_world_is_refused_before_joining():
     env = sg.Env(rank=0, world_size=4, local_world_size=4, master_port=1)  # nothing listens there
-    strategy = sg.pipeline(stages=TWO, schedule="1f1b", microbatches=4)
+    strategy = sg.pipeline(stages=TWO, schedule="1f1b", microbatches=4, device="cpu")
     with pytest.raises(
         sg.UsageError,
         match=r"needs exactly 4 \(one per pipeline rank\) stages, but 'stages' gives 2",
     ):
         strategy.setup(env)
     with pytest.raises(sg.UsageError, match=r"size=3 does not divide the world of 4 ranks"):
-        sg.pipeline(stages=(("0", "1"), ("2", "3"), ("4", "5", "6")), microbatches=4, size=3).setup(
-            env
-        )
-    zbv = sg.pipeline(stages=FOUR, schedule="zbv-zero-bubble", microbatches=4)
+        sg.pipeline(
+            stages=(("0", "1"), ("2", "3"), ("4", "5", "6")), microbatches=4, size=3, device="cpu"
+        ).setup(env)
+    zbv = sg.pipeline(stages=FOUR, schedule="zbv-zero-bubble", microbatches=4, device="cpu")
     with pytest.raises(sg.UsageError, match=r"needs exactly 8 \(two per pipeline rank, a V\)"):
         zbv.setup(env)
 
 
 def test_a_split_that_names_no_submodule_or_leaves_parameters_out_is_refused_at_wrap():
     ctx = sg.Context(env=sg.Env(), device=torch.device("cpu"))
-    unknown = sg.pipeline(stages=(("0", "1"), ("2", "head")), microbatches=4)
+    unknown = sg.pipeline(stages=(("0", "1"), ("2", "head")), microbatches=4, device="cpu")
     with pytest.raises(sg.UsageError, match=r"stages\[1\] names 'head', which is no submodule"):
         unknown.wrap(make_mlp(), ctx)
-    partial = sg.pipeline(stages=(("0", "1"), ("2", "3")), microbatches=4)
+    partial = sg.pipeline(stages=(("0", "1"), ("2", "3")), microbatches=4, device="cpu")
     with pytest.raises(
         sg.UsageError, match=r"\['4.weight', '4.bias', '6.weight', '6.bias'\].* belong to no stage"
     ):
         partial.wrap(make_mlp(), ctx)
-    twice = sg.pipeline(stages=(("0", "2"), ("2", "4", "6")), microbatches=4)
+    twice = sg.pipeline(stages=(("0", "2"), ("2", "4", "6")), microbatches=4, device="cpu")
     with pytest.raises(sg.UsageError, match=r"'2.weight' belongs to stages \[0, 1\]"):
         twice.wrap(make_mlp(), ctx)
 
@@ -349,7 +366,9 @@ def test_a_split_that_names_no_submodule_or_leaves_parameters_out_is_refused_at_
 @pytest.fixture
 def alone():
     """A pipeline of one rank in this process: the whole MLP one stage, 4 micro-batches."""
-    strategy = sg.pipeline(stages=(tuple("0123456"),), schedule="gpipe", microbatches=4)
+    strategy = sg.pipeline(
+        stages=(tuple("0123456"),), schedule="gpipe", microbatches=4, device="cpu"
+    )
     ctx = strategy.setup(sg.Env())
     try:
         yield strategy, ctx, strategy.wrap(make_mlp(), ctx)

@@ -87,7 +87,9 @@ def assert_equal(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
 def pipeline(schedule: str = "1f1b", size: int | None = None) -> sg.Strategy:
     stages = TWO if schedule in ("gpipe", "1f1b") else FOUR
     return sg.spawned(
-        sg.pipeline(stages=stages, schedule=schedule, microbatches=2, size=size, timeout=60)
+        sg.pipeline(
+            stages=stages, schedule=schedule, microbatches=2, size=size, timeout=60, device="cpu"
+        )
     )
 
 
@@ -102,7 +104,7 @@ def test_a_pipeline_on_two_ranks_saves_what_single_device_and_ddp_load_by_key(tm
     saved = sg.launch(train_and_save, pipeline("interleaved-1f1b"), devices=2, args=(path,))
     expected = merged(saved, range(2))
     assert_equal(single_device_load(path), expected)
-    for result in sg.launch(load_and_report, sg.ddp_spawn(), devices=2, args=(path,)):
+    for result in sg.launch(load_and_report, sg.ddp_spawn(device="cpu"), devices=2, args=(path,)):
         assert_equal(result, expected)
 
 
@@ -246,7 +248,9 @@ def save_tied(strategy, ctx, path: str) -> dict[str, torch.Tensor]:
 def test_a_tie_inside_the_second_ranks_stage_is_stored_once_and_restored_both_ways(tmp_path):
     path = str(tmp_path / "ckpt")
     strategy = sg.spawned(
-        sg.pipeline(stages=[["0", "1"], ["2", "3", "4"]], schedule="gpipe", microbatches=2)
+        sg.pipeline(
+            stages=[["0", "1"], ["2", "3", "4"]], schedule="gpipe", microbatches=2, device="cpu"
+        )
     )
     first, second = sg.launch(save_tied, strategy, devices=2, args=(path,))
     info = sg.checkpoint.describe(path)

@@ -65,7 +65,7 @@ def free_cpus(ray, within: float = 10.0) -> float:
 
 
 def on_ray(**options) -> sg.Strategy:
-    return attrs.evolve(sg.ddp(), launch=ray_launcher(**options))
+    return attrs.evolve(sg.ddp(device="cpu"), launch=ray_launcher(**options))
 
 
 # ------------------------------------------------------------------ functions the ranks run
@@ -129,7 +129,9 @@ def test_without_ray_building_or_launching_names_the_extra(monkeypatch):
     with pytest.raises(sg.LaunchError, match=fix):
         ray_launcher(num_workers=2)
     with pytest.raises(sg.LaunchError, match=fix):
-        sg.launch(whoami, attrs.evolve(sg.ddp(), launch=launcher), devices=2, args=("x",))
+        sg.launch(
+            whoami, attrs.evolve(sg.ddp(device="cpu"), launch=launcher), devices=2, args=("x",)
+        )
     assert "stratagem[ray]" in NEEDS_RAY
 
 
@@ -184,7 +186,7 @@ def test_the_demo_trains_on_ray_as_on_spawned_ranks(local_ray):
     started = time.monotonic()
     on_actors = sg.launch(train, on_ray(num_workers=2), devices=2, args=(data, config))
     took = time.monotonic() - started
-    spawned = sg.launch(train, sg.ddp_spawn(), devices=2, args=(data, config))
+    spawned = sg.launch(train, sg.ddp_spawn(device="cpu"), devices=2, args=(data, config))
     print(f"2 Ray workers: {took:.1f} s")
     ours, theirs = on_actors[0].parameters, spawned[0].parameters
     assert ours.keys() == theirs.keys()
@@ -270,14 +272,16 @@ def test_workers_ray_cannot_place_are_a_launch_error(local_ray):
 def teardown_hangs_on_rank_one(ctx):
     if ctx.rank == 1:
         time.sleep(600)
-    sg.ddp().teardown(ctx)
+    sg.ddp(device="cpu").teardown(ctx)
 
 
 @needs_ray
 @pytest.mark.slow
 def test_a_teardown_that_hangs_keeps_the_results(local_ray):
     hanging = attrs.evolve(
-        sg.ddp(), teardown=teardown_hangs_on_rank_one, launch=ray_launcher(exit_timeout=2)
+        sg.ddp(device="cpu"),
+        teardown=teardown_hangs_on_rank_one,
+        launch=ray_launcher(exit_timeout=2),
     )
     started = time.monotonic()
     results = sg.launch(whoami, hanging, devices=2, args=("z",))

@@ -296,7 +296,7 @@ def two_rank_env(rank: int, port: int) -> sg.Env:
 def test_a_rank_that_never_joins_is_named_within_the_timeout() -> None:
     start = time.monotonic()
     with pytest.raises(sg.LaunchError) as caught:
-        sg.ddp(timeout=3).setup(two_rank_env(0, free_port()))
+        sg.ddp(timeout=3, device="cpu").setup(two_rank_env(0, free_port()))
     message = str(caught.value)
     assert "rank(s) 1 of a world of 2 did not join within 3 s" in message, message
     assert "joined: 0" in message and "join_timeout" in message
@@ -305,7 +305,7 @@ def test_a_rank_that_never_joins_is_named_within_the_timeout() -> None:
 
 
 def test_the_join_timeout_is_its_own_and_shorter_than_the_collective_timeout() -> None:
-    join = sg.ddp().setup
+    join = sg.ddp(device="cpu").setup
     assert isinstance(join, JoinProcessGroup)
     assert join.join_timeout < join.timeout.total_seconds()
     start = time.monotonic()
@@ -350,7 +350,7 @@ def reduce_one(strategy: sg.StrategyLike, ctx: sg.Context) -> float:
 
 @pytest.mark.slow
 def test_a_spawned_rank_that_never_joins_is_named_not_a_store_error() -> None:
-    strategy = sg.ddp_spawn(timeout=4, start=sg.Spawn(stop_grace=2))
+    strategy = sg.ddp_spawn(timeout=4, start=sg.Spawn(stop_grace=2), device="cpu")
     strategy = attrs.evolve(strategy, setup=NeverOnRankOne(strategy.setup))
     start = time.monotonic()
     with pytest.raises(sg.RankError) as caught:
@@ -377,7 +377,9 @@ def raise_broken_str(strategy: sg.StrategyLike, ctx: sg.Context) -> None:
 
 def test_an_exception_whose_str_fails_still_comes_back_with_its_type_and_repr() -> None:
     with pytest.raises(sg.RankError) as caught:
-        sg.launch(raise_broken_str, sg.ddp_spawn(start=sg.Spawn(stop_grace=2)), devices=2)
+        sg.launch(
+            raise_broken_str, sg.ddp_spawn(start=sg.Spawn(stop_grace=2), device="cpu"), devices=2
+        )
     error = caught.value
     assert error.rank == 1, str(error)
     assert error.exc_type is not None and error.exc_type.endswith("BrokenStr"), str(error)
@@ -395,7 +397,7 @@ def leave_early(strategy: sg.StrategyLike, ctx: sg.Context) -> float:
 
 def test_a_rank_that_returns_early_is_named_not_the_rank_left_in_the_collective() -> None:
     with pytest.raises(sg.RankError) as caught:
-        sg.launch(leave_early, sg.ddp_spawn(start=sg.Spawn(stop_grace=2)), devices=2)
+        sg.launch(leave_early, sg.ddp_spawn(start=sg.Spawn(stop_grace=2), device="cpu"), devices=2)
     error = caught.value
     assert error.rank == 0, str(error)
     assert (

@@ -197,5 +197,5 @@ def share_of_a_real_world(strategy: sg.StrategyLike, ctx: sg.Context) -> list[in
 
 
 def test_on_two_real_ranks_the_held_out_samples_stay_out():
-    shares = sg.launch(share_of_a_real_world, sg.ddp_spawn(timeout=60), devices=2)
+    shares = sg.launch(share_of_a_real_world, sg.ddp_spawn(timeout=60, device="cpu"), devices=2)
     assert sorted(shares[0] + shares[1]) == KEPT

@@ -40,7 +40,7 @@ def test_joined_sets_up_and_tears_down_around_the_block():
     with pytest.raises(sg.UsageError, match=r"joined: 'env' must be an Env"):
         sg.joined(strategy, env={"RANK": "0"}).__enter__()
     with pytest.raises(sg.UsageError, match=r"'ddp_spawn' spawns its ranks.*under torchrun"):
-        sg.joined(sg.ddp_spawn(), env=sg.Env()).__enter__()
+        sg.joined(sg.ddp_spawn(device="cpu"), env=sg.Env()).__enter__()
 
 
 @pytest.mark.slow

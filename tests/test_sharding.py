@@ -75,7 +75,7 @@ def equal_steps(strategy: sg.StrategyLike, ctx: sg.Context) -> int:
 def test_an_uneven_last_batch_does_not_leave_a_rank_waiting_under_ddp():
     # Dealt plainly, rank 0 would get samples [0, 2, 4] (2 batches) and rank 1 [1, 3] (1):
     # rank 0's second backward would wait for rank 1's gradients until the timeout.
-    strategy = sg.ddp_spawn(timeout=60)
+    strategy = sg.ddp_spawn(device="cpu", timeout=60)
     assert sg.launch(equal_steps, strategy, devices=2) == [1, 1]
 
 

@@ -102,7 +102,9 @@ def _stream_shares(strategy, ctx):
     return [batch.tolist() for batch in strategy.shard(DataLoader(Stream(13), batch_size=2), ctx)]
 
 
-@pytest.mark.parametrize("strategy", [sg.ddp(), sg.fsdp()], ids=["ddp", "fsdp"])
+@pytest.mark.parametrize(
+    "strategy", [sg.ddp(device="cpu"), sg.fsdp(device="cpu")], ids=["ddp", "fsdp"]
+)
 def test_built_in_shards_split_a_stream_on_a_real_world(stratagem_world, strategy):
     shares = stratagem_world.run(_stream_shares, strategy)
     # 7 batches of 13 samples: 3 whole rounds; the incomplete round, [12], goes to no rank
@@ -118,7 +120,7 @@ def test_strides_have_a_readable_record():
 def test_the_partition_law_passes_honest_stream_shards(stratagem_world):
     # A map-only shard that refuses streams with a UsageError passes too: custom_shard, in
     # tests/test_kit_mutants.py::test_an_honest_custom_shard_and_every_built_in_shard_...
-    for strategy in (sg.ddp(), stream_shard()):
+    for strategy in (sg.ddp(device="cpu"), stream_shard()):
         laws.check_shard_partition(strategy, world=stratagem_world, size=21)
 
 

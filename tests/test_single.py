@@ -67,7 +67,7 @@ def test_single_device_loop_is_bit_identical_to_plain_pytorch():
 def test_auto_device_is_cpu_on_a_machine_without_accelerators():
     if torch.cuda.is_available():
         pytest.skip("this check is about CPU-only machines")
-    ctx = sg.single_device().setup(sg.Env())
+    ctx = sg.single_device("auto").setup(sg.Env())
     assert ctx.device == torch.device("cpu")
     assert (ctx.rank, ctx.world_size, ctx.is_main, ctx.group) == (0, 1, True, None)
 

@@ -196,15 +196,23 @@ def test_no_sync_of_single_device_is_a_context_manager():
     ("derived", "base", "fields"),
     [
         (
-            lambda: sg.ddp(),
-            lambda: sg.single_device(),
+            lambda: sg.ddp(device="cpu"),
+            lambda: sg.single_device(device="cpu"),
             {"setup", "wrap", "no_sync", "shard", "teardown"},
         ),
-        (lambda: sg.ddp_spawn(), lambda: sg.ddp(), {"launch"}),
-        (lambda: sg.fsdp(), lambda: sg.ddp(), {"setup", "wrap", "update", "no_sync"}),
-        (lambda: sg.fsdp_spawn(), lambda: sg.fsdp(), {"launch"}),
+        (lambda: sg.ddp_spawn(device="cpu"), lambda: sg.ddp(device="cpu"), {"launch"}),
+        (
+            lambda: sg.fsdp(device="cpu"),
+            lambda: sg.ddp(device="cpu"),
+            {"setup", "wrap", "update", "no_sync"},
+        ),
+        (lambda: sg.fsdp_spawn(device="cpu"), lambda: sg.fsdp(device="cpu"), {"launch"}),
         (lambda: sg.dp(), lambda: sg.single_device("cpu"), {"setup", "wrap"}),
-        (lambda: sg.allreduce_grads(), lambda: sg.ddp(), {"wrap", "update", "no_sync"}),
+        (
+            lambda: sg.allreduce_grads(device="cpu"),
+            lambda: sg.ddp(device="cpu"),
+            {"wrap", "update", "no_sync"},
+        ),
     ],
     ids=["ddp", "ddp_spawn", "fsdp", "fsdp_spawn", "dp", "allreduce_grads"],
 )

@@ -134,3 +134,74 @@ def test_subpackages_are_reachable_as_attributes_in_a_fresh_process():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["stratagem.checkpoint.directory", "World", "checked"]
+
+
+# Built-in factories whose device defaults to "auto": CUDA on a GPU host, the CPU elsewhere.
+AUTO_DEVICE_FACTORIES = {
+    "single_device",
+    "ddp",
+    "ddp_spawn",
+    "fsdp",
+    "fsdp_spawn",
+    "hsdp",
+    "allreduce_grads",
+    "allreduce_grads_spawn",
+    "pipeline",
+}
+TESTS = Path(__file__).parent
+# What "auto" does is these files' subject: the device policy's, and the kit's, whose laws run
+# on whatever device a strategy resolves to (issue 33 item 3).
+DEVICE_IS_THE_SUBJECT = ("test_device_policy.py", "test_kit_*.py")
+
+
+def factory_calls_without_a_device(source: str) -> list[int]:
+    """Return the lines that call a built-in factory without naming its device."""
+    tree = ast.parse(source)
+    imported = {
+        alias.asname or alias.name: alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("stratagem")
+        for alias in node.names
+        if alias.name in AUTO_DEVICE_FACTORIES
+    }
+    lines = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+            name = func.attr if func.value.id in ("sg", "stratagem") else None
+        else:
+            name = imported.get(func.id) if isinstance(func, ast.Name) else None
+        if name not in AUTO_DEVICE_FACTORIES:
+            continue
+        named = {keyword.arg for keyword in node.keywords}
+        if "device" in named or None in named or (name == "single_device" and node.args):
+            continue
+        lines.append(node.lineno)
+    return lines
+
+
+def test_tests_name_the_device_their_strategies_run_on():
+    # A test that leaves device="auto" runs on CUDA and NCCL on a GPU host (or on the CPU with a
+    # DeviceFallbackWarning, an error under filterwarnings, on a one-GPU host): the suite would
+    # depend on the host. Write device="cpu" where the test means the CPU, or mark it cuda.
+    exempt = {path for pattern in DEVICE_IS_THE_SUBJECT for path in TESTS.glob(pattern)}
+    files = sorted(set(TESTS.rglob("*.py")) - exempt)
+    assert len(files) > 20
+    offenders = [
+        f"{path.relative_to(TESTS)}:{line}"
+        for path in files
+        for line in factory_calls_without_a_device(path.read_text())
+    ]
+    assert offenders == [], "name the device (device='cpu'): " + ", ".join(offenders)
+
+
+def test_the_scan_would_catch_a_strategy_left_on_auto():
+    source = (
+        "import stratagem as sg\nfrom stratagem import ddp_spawn as spawned_ddp\n"
+        "a = sg.ddp_spawn(timeout=60)\nb = spawned_ddp()\nc = sg.single_device()\n"
+        "d = sg.ddp(device='cpu')\ne = sg.single_device('cpu')\nf = sg.fsdp(**options)\n"
+        "g = sg.dp()\n"
+    )
+    assert factory_calls_without_a_device(source) == [3, 4, 5]

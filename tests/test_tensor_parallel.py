@@ -116,7 +116,7 @@ def assert_equal_to_reference(results, expected) -> None:
 
 @pytest.mark.slow
 def test_fsdp_x_tensor_parallel_on_a_2x2_mesh_equals_one_process():
-    strategy = sg.tensor_parallel(sg.fsdp_spawn(), block_plan(), size=2)
+    strategy = sg.tensor_parallel(sg.fsdp_spawn(device="cpu"), block_plan(), size=2)
     assert strategy.name == "fsdp_spawn+tp2"
     assert isinstance(strategy.wrap, TensorParallelWrap)
     results = sg.launch(train, strategy, devices=4)
@@ -129,7 +129,9 @@ def test_fsdp_x_tensor_parallel_on_a_2x2_mesh_equals_one_process():
 
 @pytest.mark.slow
 def test_tensor_parallel_alone_on_two_ranks_equals_one_process():
-    results = sg.launch(train, sg.tensor_parallel(sg.fsdp_spawn(), block_plan()), devices=2)
+    results = sg.launch(
+        train, sg.tensor_parallel(sg.fsdp_spawn(device="cpu"), block_plan()), devices=2
+    )
     assert [r["data_parallel"] for r in results] == [(0, 1), (0, 1)]
     assert results[0]["seen"] == results[1]["seen"]
     assert_equal_to_reference(results, reference())
@@ -164,17 +166,26 @@ def _single(fn, path):
 
 LOADERS = {
     "single_device": lambda path: _single(load_into, path),
-    "ddp on 2": lambda path: sg.launch(load_into, sg.ddp_spawn(), devices=2, args=(path,)),
-    "fsdp on 3": lambda path: sg.launch(load_into, sg.fsdp_spawn(), devices=3, args=(path,)),
+    "ddp on 2": lambda path: sg.launch(
+        load_into, sg.ddp_spawn(device="cpu"), devices=2, args=(path,)
+    ),
+    "fsdp on 3": lambda path: sg.launch(
+        load_into, sg.fsdp_spawn(device="cpu"), devices=3, args=(path,)
+    ),
     "fsdp x tp on 2": lambda path: sg.launch(
-        load_into, sg.tensor_parallel(sg.fsdp_spawn(), block_plan()), devices=2, args=(path,)
+        load_into,
+        sg.tensor_parallel(sg.fsdp_spawn(device="cpu"), block_plan()),
+        devices=2,
+        args=(path,),
     ),
 }
 
 
 SOURCES = {
-    "fsdp x tp on 2x2": lambda: sg.tensor_parallel(sg.fsdp_spawn(), block_plan(), size=2),
-    "hsdp on 2x2": lambda: sg.spawned(sg.hsdp(replicate=2, shard=2)),
+    "fsdp x tp on 2x2": lambda: sg.tensor_parallel(
+        sg.fsdp_spawn(device="cpu"), block_plan(), size=2
+    ),
+    "hsdp on 2x2": lambda: sg.spawned(sg.hsdp(replicate=2, shard=2, device="cpu")),
 }
 
 
@@ -199,14 +210,14 @@ def parallelize_by_hand(module, tp_mesh):
 
 @pytest.mark.slow
 def test_a_plan_given_as_a_function_trains_as_one_process():
-    strategy = sg.tensor_parallel(sg.fsdp_spawn(), parallelize_by_hand)
+    strategy = sg.tensor_parallel(sg.fsdp_spawn(device="cpu"), parallelize_by_hand)
     assert_equal_to_reference(sg.launch(train, strategy, devices=2), reference())
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("combinator", ["compiled", "traced"])
 def test_compiled_and_traced_fsdp_x_tp_train_as_one_process(combinator, tmp_path):
-    base = sg.tensor_parallel(sg.fsdp_spawn(), block_plan(), size=2)
+    base = sg.tensor_parallel(sg.fsdp_spawn(device="cpu"), block_plan(), size=2)
     trace = tmp_path / "trace.jsonl"
     strategy = (
         sg.compiled(base)
@@ -219,11 +230,11 @@ def test_compiled_and_traced_fsdp_x_tp_train_as_one_process(combinator, tmp_path
 
 
 def test_a_mesh_that_does_not_fit_the_world_is_refused_before_joining():
-    strategy = sg.tensor_parallel(sg.fsdp(), block_plan(), size=3)
+    strategy = sg.tensor_parallel(sg.fsdp(device="cpu"), block_plan(), size=3)
     env = sg.Env(rank=0, world_size=4, local_world_size=4, master_port=1)  # nothing listens there
     with pytest.raises(sg.UsageError, match=r"size=3 does not divide the world of 4 ranks"):
         strategy.setup(env)
-    hybrid = sg.tensor_parallel(sg.fsdp(shard_size=3), block_plan(), size=2)
+    hybrid = sg.tensor_parallel(sg.fsdp(shard_size=3, device="cpu"), block_plan(), size=2)
     with pytest.raises(sg.UsageError, match=r"shard_size=3 .* world of 4 data-parallel ranks"):
         hybrid.setup(sg.Env(rank=0, world_size=8, local_world_size=8, master_port=1))
     assert mesh_dims(sg.Env(world_size=8, local_world_size=8), 2, tensor_parallel=2) == (

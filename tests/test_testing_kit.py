@@ -48,33 +48,37 @@ def pids(strategy, ctx):
 
 
 def test_world_runs_many_functions_on_the_same_ranks(stratagem_world):
-    first = stratagem_world.run(pids, sg.ddp())
+    first = stratagem_world.run(pids, sg.ddp(device="cpu"))
     for scale in range(20):
-        assert stratagem_world.run(rank_sum, sg.ddp(), float(scale)) == [3.0 * scale] * 2
-    assert stratagem_world.run(pids, sg.ddp_spawn()) == first  # same processes, same group
+        assert (
+            stratagem_world.run(rank_sum, sg.ddp(device="cpu"), float(scale)) == [3.0 * scale] * 2
+        )
+    assert (
+        stratagem_world.run(pids, sg.ddp_spawn(device="cpu")) == first
+    )  # same processes, same group
 
 
 def test_a_symmetric_error_names_the_rank_and_keeps_the_world(stratagem_world):
     before = stratagem_world.restarts
     with pytest.raises(sg.RankError, match="rank 0 failed: ValueError: symmetric failure") as info:
-        stratagem_world.run(raise_everywhere, sg.ddp())
+        stratagem_world.run(raise_everywhere, sg.ddp(device="cpu"))
     assert "raise_everywhere" in info.value.remote_traceback
     assert stratagem_world.restarts == before
-    assert stratagem_world.run(rank_sum, sg.ddp(), 1.0) == [3.0, 3.0]
+    assert stratagem_world.run(rank_sum, sg.ddp(device="cpu"), 1.0) == [3.0, 3.0]
 
 
 def test_a_lone_error_and_a_hang_restart_the_world():
     with World(2, timeout=8, error_grace=2) as world:
         with pytest.raises(sg.RankError, match="rank 1 failed: ValueError: only rank 1"):
-            world.run(raise_on_one, sg.ddp())
+            world.run(raise_on_one, sg.ddp(device="cpu"))
         assert world.restarts == 1
         start = time.monotonic()
         with pytest.raises(WorldTimeoutError, match=r"ranks \[0\] did not finish within 8 s"):
-            world.run(sleep_on_zero, sg.ddp())
+            world.run(sleep_on_zero, sg.ddp(device="cpu"))
         assert time.monotonic() - start < 30
         assert world.restarts == 2
-        assert world.run(rank_sum, sg.ddp(), 2.0) == [6.0, 6.0]
-        ranks = world.run(pids, sg.ddp())
+        assert world.run(rank_sum, sg.ddp(device="cpu"), 2.0) == [6.0, 6.0]
+        ranks = world.run(pids, sg.ddp(device="cpu"))
     for pid in ranks:  # no rank outlives the context
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
@@ -86,7 +90,7 @@ def test_world_validates_its_arguments():
     with pytest.raises(sg.UsageError, match="'timeout' must be a positive number"):
         World(2, timeout=0)
     with pytest.raises(sg.UsageError, match="not started"):
-        World(2).run(pids, sg.ddp())
+        World(2).run(pids, sg.ddp(device="cpu"))
 
 
 # --- laws on the built-ins ---------------------------------------------------------------
@@ -94,7 +98,10 @@ def test_world_validates_its_arguments():
 
 def test_ddp_obeys_every_law(stratagem_world, tmp_path):
     check_all(
-        sg.ddp(), world=stratagem_world, portable_to=sg.single_device("cpu"), directory=tmp_path
+        sg.ddp(device="cpu"),
+        world=stratagem_world,
+        portable_to=sg.single_device("cpu"),
+        directory=tmp_path,
     )
 
 
@@ -110,14 +117,14 @@ def test_single_device_obeys_every_law_on_one_rank(tmp_path):
 )
 def test_reduce_law_holds_for_generated_values(stratagem_world, op, values, offset):
     per_rank = [torch.tensor(values), torch.tensor(values) + offset]
-    laws.check_reduce(sg.ddp(), per_rank, op, world=stratagem_world)
+    laws.check_reduce(sg.ddp(device="cpu"), per_rank, op, world=stratagem_world)
 
 
 # --- mutants: each broken strategy is caught by the law that names its fault ----------
 
 
 def mean_is_sum(tensor, op, ctx):
-    return sg.ddp().reduce(tensor, "sum" if op == "mean" else op, ctx)
+    return sg.ddp(device="cpu").reduce(tensor, "sum" if op == "mean" else op, ctx)
 
 
 def wrap_without_sync(module, ctx):
@@ -129,19 +136,19 @@ def no_sync_without_wrapper(module, ctx):
 
 
 def save_without_optimizer(path, state, ctx):
-    sg.ddp().save(
+    sg.ddp(device="cpu").save(
         path, {k: v for k, v in state.items() if not isinstance(v, torch.optim.Optimizer)}, ctx
     )
 
 
 def load_without_optimizer(path, state, ctx):
-    return sg.ddp().load(
+    return sg.ddp(device="cpu").load(
         path, {k: v for k, v in state.items() if not isinstance(v, torch.optim.Optimizer)}, ctx
     )
 
 
 def test_a_reduce_that_sums_for_the_mean_is_caught(stratagem_world):
-    broken = attrs.evolve(sg.ddp(), name="mean-is-sum", reduce=mean_is_sum)
+    broken = attrs.evolve(sg.ddp(device="cpu"), name="mean-is-sum", reduce=mean_is_sum)
     values = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])]
     with pytest.raises(
         LawViolation,
@@ -153,7 +160,10 @@ def test_a_reduce_that_sums_for_the_mean_is_caught(stratagem_world):
 
 def test_a_wrap_that_drops_gradient_sync_is_caught(stratagem_world):
     broken = attrs.evolve(
-        sg.ddp(), name="no-sync-wrap", wrap=wrap_without_sync, no_sync=no_sync_without_wrapper
+        sg.ddp(device="cpu"),
+        name="no-sync-wrap",
+        wrap=wrap_without_sync,
+        no_sync=no_sync_without_wrapper,
     )
     # Ranks start from different weights, which this wrap never makes equal: caught at wrap.
     with pytest.raises(
@@ -175,7 +185,10 @@ def test_a_wrap_that_drops_gradient_sync_is_caught(stratagem_world):
 
 def test_a_save_that_drops_the_optimizer_is_caught(stratagem_world, tmp_path):
     broken = attrs.evolve(
-        sg.ddp(), name="forgetful-save", save=save_without_optimizer, load=load_without_optimizer
+        sg.ddp(device="cpu"),
+        name="forgetful-save",
+        save=save_without_optimizer,
+        load=load_without_optimizer,
     )
     with pytest.raises(
         LawViolation,

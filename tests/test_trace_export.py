@@ -196,7 +196,9 @@ def two_ranks(strategy, ctx):
 @pytest.mark.slow
 def test_two_spawned_ranks_share_one_file_each_its_own_track(tmp_path):
     path = tmp_path / "trace.json"
-    ranks = sg.launch(two_ranks, sg.traced(sg.ddp_spawn(), ChromeTraceSink(path)), devices=2)
+    ranks = sg.launch(
+        two_ranks, sg.traced(sg.ddp_spawn(device="cpu"), ChromeTraceSink(path)), devices=2
+    )
     assert all(torch.equal(a, b) for a, b in zip(*ranks, strict=True))
     with open(path, encoding="utf-8") as file:
         trace = json.load(file)

@@ -70,6 +70,7 @@ class Config:
     precision: str = "32-true"  # or bf16-mixed
     compile: bool = False
     devices: int | None = None  # None: 2 spawned here, or what torchrun started
+    device: str = "auto"  # a GPU per rank where there is one for each, else the CPU; or "cpu"
     seed: int = 1337
     verbose: bool = True  # rank 0 prints its progress
 
@@ -411,10 +412,11 @@ def train(strategy: sg.StrategyLike, ctx: sg.Context, config: Config) -> dict[st
 def build_strategy(config: Config, *, in_place: bool) -> sg.Strategy:
     """Return the strategy ``config`` asks for: spawned ranks, or ``in_place`` under torchrun."""
     if config.strategy == "ddp":
-        strategy = sg.ddp() if in_place else sg.ddp_spawn()
+        strategy = sg.ddp(device=config.device) if in_place else sg.ddp_spawn(device=config.device)
     elif config.strategy == "fsdp":
         policy = sg.every_module_of(Block)  # one all-gather per transformer block
-        strategy = sg.fsdp(shard_when=policy) if in_place else sg.fsdp_spawn(shard_when=policy)
+        options = {"shard_when": policy, "device": config.device}
+        strategy = sg.fsdp(**options) if in_place else sg.fsdp_spawn(**options)
     else:
         raise ValueError(f"strategy must be 'ddp' or 'fsdp' (got {config.strategy!r})")
     if config.precision != "32-true":
@@ -444,6 +446,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
     parser.add_argument("--grad-clip", type=float, default=d.grad_clip, help="0: no clipping")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--devices", type=int, default=None, help="ranks on this host")
+    parser.add_argument("--device", default=d.device, help="auto (default), cpu, cuda:0, ...")
     args = parser.parse_args(argv)
     if args.resume and args.checkpoint_dir is None:
         parser.error("--resume needs --checkpoint-dir")
@@ -468,6 +471,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         grad_clip=args.grad_clip,
         seed=args.seed,
         devices=args.devices,
+        device=args.device,
     )
 
 

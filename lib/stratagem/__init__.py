@@ -32,6 +32,7 @@ if _typing.TYPE_CHECKING:
     from stratagem.combinators.tracing import TraceEvent as TraceEvent
     from stratagem.combinators.tracing import chrome_trace as chrome_trace
     from stratagem.combinators.tracing import traced as traced
+    from stratagem.devices import DeviceFallbackWarning as DeviceFallbackWarning
     from stratagem.devices import DeviceSpec as DeviceSpec
     from stratagem.env import Context as Context
     from stratagem.env import Env as Env
@@ -104,6 +105,7 @@ _WHERE: dict[str, str] = {
     "with_activation_checkpointing": "stratagem.combinators.checkpointing",
     "tensor_parallel": "stratagem.combinators.tensor_parallel",
     "with_precision": "stratagem.combinators.precision",
+    "DeviceFallbackWarning": "stratagem.devices",
     "DeviceSpec": "stratagem.devices",
     "Context": "stratagem.env",
     "Env": "stratagem.env",
@@ -151,6 +153,7 @@ __all__ = [
     "CollectiveMismatchError",
     "CombinatorError",
     "Context",
+    "DeviceFallbackWarning",
     "DeviceSpec",
     "Env",
     "EnvError",

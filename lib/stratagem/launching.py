@@ -104,7 +104,6 @@ def launch(
         >>> sg.launch(hello, sg.single_device("cpu"), args=("hi",))
         ['hi from rank 0 of 1']
     """
-    refuse_launch_at_import()
     if not isinstance(strategy, StrategyLike):
         raise UsageError(not_a_strategy(strategy, "launch"))
     checked = _check_devices(devices)
@@ -188,6 +187,9 @@ class Spawn:
         check_field_arguments(fn, devices, args)
         if devices == 1 or detect_env(os.environ).is_distributed:
             return in_place(fn, strategy, devices, args)
+        # Only where ranks would start: an in-place launch a rank re-runs at import is slow, not
+        # wrong, and pages of examples that spawn later hold such launches at top level.
+        refuse_launch_at_import()
         payload = pack(fn, strategy, args)
         # Decided here, once, for the ranks about to start: they resolve "auto" alike.
         warn_fallback(asked_device(strategy.setup), devices, stacklevel=3)

@@ -36,6 +36,7 @@ __all__ = [
     "NEVER_JOINED",
     "JoinProcessGroup",
     "check_backend",
+    "collective_timeout",
     "default_backend",
     "leave",
     "leave_process_group",
@@ -45,7 +46,7 @@ NEVER_JOINED = (
     "setup: rank(s) {missing} of a world of {world_size} did not join within {timeout:g} s "
     "(rank {rank} waited at the rendezvous store {where}; joined: {joined}). Check that every "
     "rank started (its logs, the scheduler) and that all use the same MASTER_ADDR and "
-    "MASTER_PORT; if a rank is just slow to start, raise the setup's join_timeout."
+    "MASTER_PORT; if a rank is just slow to start, raise {bound}."
 )
 
 DEFAULT_JOIN_TIMEOUT = 300.0
@@ -205,7 +206,13 @@ class JoinProcessGroup:
                 f"master_port is 0 ({env.source!r}); set MASTER_PORT, or launch with "
                 "ddp_spawn(), which picks one."
             )
-        device = resolve_device(self.device, env.local_rank)
+        device = resolve_device(  # a spawn launcher warned already, before its ranks started
+            self.device,
+            env.local_rank,
+            env.local_world_size,
+            warn=env.source != "spawn",
+            bound_per_task=env.source == "slurm" and "CUDA_VISIBLE_DEVICES" in os.environ,
+        )
         backend = self.backend or default_backend(device)
         if backend == "nccl" and device.type != "cuda":
             raise UsageError(
@@ -237,6 +244,7 @@ class JoinProcessGroup:
             store = HashStore()
         else:
             joining = timedelta(seconds=min(self.join_timeout, self.timeout.total_seconds()))
+            bound = _join_bound(self.join_timeout, self.timeout)
             hosting = env.rank == 0 and not env.agent_store
             try:
                 store = TCPStore(
@@ -248,8 +256,8 @@ class JoinProcessGroup:
                     wait_for_workers=False,
                 )
             except RuntimeError as error:  # DistNetworkError, DistStoreError
-                raise LaunchError(_store_failure(env, hosting, error)) from error
-            _await_every_rank(PrefixStore(f"attempt_{attempt}", store), env, joining)
+                raise LaunchError(_store_failure(env, hosting, error, bound)) from error
+            _await_every_rank(PrefixStore(f"attempt_{attempt}", store), env, joining, bound)
         try:
             # Under its own prefix too: the keys of the last attempt's group are still in the
             # agent's store, and a rank reading one would dial a process that has died.
@@ -268,11 +276,36 @@ class JoinProcessGroup:
         assert world is not None  # just initialised
         # NCCL alone (or "cuda:gloo") carries no CPU tensor: checkpoints, results and flags then
         # travel over a gloo group of the same ranks, made once here, as torchtitan does.
-        cpu_group = None if _serves_cpu(world) else dist.new_group(backend="gloo")
+        cpu_group = (
+            None if _serves_cpu(world) else dist.new_group(backend="gloo", timeout=self.timeout)
+        )
+        _timeouts[world] = self.timeout
         return Context(env=env, device=device, group=world, arrivals=arrivals, cpu_group=cpu_group)
 
 
-def _await_every_rank(store: Store, env: Env, timeout: timedelta) -> None:
+_timeouts: dict[dist.ProcessGroup, timedelta] = {}
+
+
+def collective_timeout(group: dist.ProcessGroup | None) -> timedelta | None:
+    """Return the ``timeout`` the world of ``group`` was joined with (None: torch's default).
+
+    Groups made later for the same world (a background save's) wait as long as its
+    collectives do, not torch's default 30 minutes.
+    """
+    return _timeouts.get(group) if group is not None else None
+
+
+def _join_bound(join_timeout: float, timeout: timedelta) -> str:
+    """Name the setting that bounded the join, the one worth raising."""
+    if join_timeout <= timeout.total_seconds():
+        return "the setup's join_timeout"
+    return (
+        f"the setup's timeout ({timeout.total_seconds():g} s), which bounds joining too "
+        f"(join_timeout={join_timeout:g} s is above it and cannot help)"
+    )
+
+
+def _await_every_rank(store: Store, env: Env, timeout: timedelta, bound: str) -> None:
     """Sign this rank in at the store and wait for the others, or name those that never came.
 
     Each rank leaves its own key (for the names) and counts itself in; the last
@@ -310,6 +343,7 @@ def _await_every_rank(store: Store, env: Env, timeout: timedelta) -> None:
             rank=env.rank,
             where=where,
             joined=_ranks(joined),
+            bound=bound,
         )
     ) from None
 
@@ -320,7 +354,7 @@ def _ranks(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks))
 
 
-def _store_failure(env: Env, hosting: bool, error: RuntimeError) -> str:
+def _store_failure(env: Env, hosting: bool, error: RuntimeError, bound: str) -> str:
     where = f"{env.master_addr}:{env.master_port}"
     if hosting:
         return (
@@ -331,7 +365,7 @@ def _store_failure(env: Env, hosting: bool, error: RuntimeError) -> str:
     return (
         f"setup: rank {env.rank} could not reach the rendezvous store at {where} within "
         f"the join timeout ({error}); check MASTER_ADDR/MASTER_PORT and that rank 0 started "
-        "(or raise the setup's join_timeout)."
+        f"(or raise {bound})."
     )
 
 
@@ -343,6 +377,7 @@ def leave_process_group(ctx: Context) -> None:
     finally:
         # A DDP reducer still alive when a gloo group is destroyed can deadlock: collect first.
         gc.collect()
+        _timeouts.clear()
         if dist.is_initialized():
             dist.destroy_process_group()
 

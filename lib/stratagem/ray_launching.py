@@ -125,7 +125,6 @@ class RayLaunch:
         self, fn: Callable[..., Any], strategy: StrategyLike, devices: int, args: Sequence[Any]
     ) -> list[Any]:
         check_field_arguments(fn, devices, args)
-        ray = _ray()
         if detect_env(os.environ).is_distributed:  # never a launcher inside another's world
             return in_place(fn, strategy, devices, args)
         if self.num_workers is not None and devices != self.num_workers:
@@ -134,6 +133,7 @@ class RayLaunch:
                 f"starts {self.num_workers} worker(s); pass devices={self.num_workers}, or "
                 "build ray_launcher() without num_workers to start one worker per device."
             )
+        ray = _ray()  # after the checks that need no Ray: a mistake reads the same everywhere
         payload = _pack(ray, fn, strategy, args)
         cpus = math.ceil(devices * self.cpus_per_worker)
         with _local_ray(ray, cpus), rendezvous(self.start_timeout) as port:

@@ -27,7 +27,9 @@ def wait_forever(strategy: sg.StrategyLike, ctx: sg.Context, pid_dir: str, ignor
 
 if __name__ == "__main__":
     ignore = len(sys.argv) > 2 and sys.argv[2] == "ignore"
-    strategy = sg.ddp_spawn(start=sg.Spawn(stop_grace=60.0))  # only a second signal is fast
+    strategy = sg.ddp_spawn(
+        start=sg.Spawn(stop_grace=60.0), device="cpu"
+    )  # only a second signal is fast
     try:
         sg.launch(wait_forever, strategy, devices=2, args=(sys.argv[1], ignore))
     except KeyboardInterrupt:

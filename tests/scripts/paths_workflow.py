@@ -49,7 +49,9 @@ def main(directory: str, spawn: bool) -> None:
     assert latest(Path(directory, "checkpoints")) == Path(directory, "checkpoints", "b")
     assert describe(Path(directory, "checkpoints", "b")).values["step"] == 4
     if spawn:
-        results = sg.launch(train, sg.ddp_spawn(), devices=2, args=(str(Path(directory, "ddp")),))
+        results = sg.launch(
+            train, sg.ddp_spawn(device="cpu"), devices=2, args=(str(Path(directory, "ddp")),)
+        )
         assert results[0] == results[1]
         assert describe(Path(directory, "ddp", "checkpoints", "b")).world_size == 2
     print("done")

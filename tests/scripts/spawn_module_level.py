@@ -17,4 +17,4 @@ def hello(strategy, ctx):
 
 if __name__ == "__main__":
     print("main guard", flush=True)
-    print("ranks", sg.launch(hello, sg.ddp_spawn(), devices=2), flush=True)
+    print("ranks", sg.launch(hello, sg.ddp_spawn(device="cpu"), devices=2), flush=True)

@@ -15,7 +15,7 @@ import stratagem as sg
 STEPS, BATCH = 3, 4
 print("configuration: steps", STEPS, flush=True)  # top level: once per process torchrun starts
 
-strategy = sg.ddp()
+strategy = sg.ddp(device="cpu")
 with sg.joined(strategy) as ctx:
     torch.manual_seed(0)
     model = strategy.wrap(torch.nn.Linear(3, 1), ctx)

@@ -127,7 +127,10 @@ def _side_context(ctx: Context) -> Context:
     side = _side_groups.get(ctx.group)
     if side is None:
         # Every rank saves at the same point of its program, so every rank makes it here.
-        side = dist.new_group(backend="gloo")
+        # Its collectives wait as long as the world's do (ddp(timeout=...)), not 30 minutes.
+        from stratagem.process_group import collective_timeout
+
+        side = dist.new_group(backend="gloo", timeout=collective_timeout(ctx.group))
         _side_groups[ctx.group] = side
     return attrs.evolve(ctx, group=side, arrivals=None, cpu_group=None)
 

@@ -24,9 +24,10 @@ from stratagem.cli.classifier import Config, Result, train
 from stratagem.cli.escaping import printable
 from stratagem.cli.progress import table
 from stratagem.combinators.precision import PRECISIONS
+from stratagem.devices import cuda_device_count
 from stratagem.errors import UsageError
 
-__all__ = ["STRATEGIES", "configure", "run"]
+__all__ = ["STRATEGIES", "configure", "run", "spawn_devices"]
 
 STRATEGIES = ("single", "ddp", "fsdp", "dp", "allreduce")
 SPAWNING: dict[str, Callable[[], sg.Strategy]] = {
@@ -113,10 +114,28 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _rank_limit() -> tuple[int, str]:
-    if torch.cuda.is_available():
-        return torch.cuda.device_count(), "one per CUDA device"
-    return os.cpu_count() or 1, "one per CPU core, as this machine has no CUDA device"
+def spawn_devices(requested: int | None, *, cuda_devices: int | None = None) -> int:
+    """Return the ranks to spawn for ``--devices``, as the library's ``device="auto"`` places them.
+
+    A rank per CUDA device where there are enough (2 by default, or fewer GPUs);
+    beyond them every rank runs on the CPU (the launch warns:
+    `stratagem.DeviceFallbackWarning`), so at most one rank per CPU core.
+
+    Raises:
+        UsageError: more ranks than this machine can run.
+    """
+    gpus = cuda_device_count() if cuda_devices is None else cuda_devices
+    cores = os.cpu_count() or 1
+    if requested is None:
+        return min(2, gpus) if gpus else min(2, cores)
+    limit = max(gpus, cores)
+    if requested > limit:
+        why = "one per CUDA device" if gpus >= cores else "one per CPU core"
+        raise UsageError(
+            f"--devices {requested}: this machine runs at most {limit} ranks ({why}); "
+            f"pass --devices {limit} or fewer."
+        )
+    return requested
 
 
 def _strategy(options: argparse.Namespace, env: sg.Env) -> tuple[sg.Strategy, int]:
@@ -135,14 +154,7 @@ def _strategy(options: argparse.Namespace, env: sg.Env) -> tuple[sg.Strategy, in
             )
         return SPAWNING[name](), env.local_world_size
     if name in SPAWNING:
-        limit, why = _rank_limit()
-        devices = min(2, limit) if devices is None else devices
-        if devices > limit:
-            raise UsageError(
-                f"--devices {devices}: this machine runs at most {limit} ranks ({why}); "
-                f"pass --devices {limit} or fewer."
-            )
-        return SPAWNING[name](), devices
+        return SPAWNING[name](), spawn_devices(devices)
     if name == "single":
         if devices not in (None, 1):
             raise UsageError(

@@ -29,7 +29,8 @@ class UseDevice:
                 f"single_device() runs one process, but {env.source!r} started a world of "
                 f"{env.world_size}; use ddp() to train on all of them."
             )
-        return Context(env=env, device=resolve_device(self.device, env.local_rank))
+        device = resolve_device(self.device, env.local_rank, env.local_world_size, warn=True)
+        return Context(env=env, device=device)
 
 
 def single_device(device: DeviceSpec = "auto") -> Strategy:
