@@ -164,3 +164,20 @@ def block_plan() -> dict[str, object]:
         "up": ColwiseParallel(),
         "down": RowwiseParallel(),
     }
+
+
+def matches_shown_output(shown: str, printed: str) -> bool:
+    """Whether ``printed`` is what a page shows: ``...`` stands for anything, timings are ignored.
+
+    Pages show real output; times differ from run to run, so ``12.3ms`` and
+    ``11,338 samples/s`` are compared as placeholders on both sides.
+    """
+    import doctest
+    import re
+
+    def steady(text: str) -> str:
+        text = re.sub(r"\b\d[\d,]*(\.\d+)?\s*(ms|s|samples/s|tokens/s)\b", "<time>", text)
+        return "\n".join(line.rstrip() for line in text.strip().splitlines()) + "\n"
+
+    checker = doctest.OutputChecker()
+    return checker.check_output(steady(shown), steady(printed), doctest.ELLIPSIS)

@@ -367,6 +367,8 @@ ROWS: list[Row] = [
     Row("ShardSampler.set_epoch", "-1",
         lambda k: sg.ShardSampler(size=3, rank=0, world_size=1).set_epoch(-1), U,
         ("ShardSampler.epoch must be a non-negative int", "got -1, an int")),
+    Row("seed_everything", "seed=-1", lambda k: sg.seed_everything(-1), U,
+        ("seed_everything: 'seed' must be an int", "got -1, an int")),
     Row("spawned", "strategy=None", lambda k: sg.spawned(None), U,
         ("spawned: 'strategy' must be a Strategy", "got None", "sg.ddp()")),
     Row("spawned", "start=10", lambda k: sg.spawned(sg.ddp(device="cpu"), start=10), U,

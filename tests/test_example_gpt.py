@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import stratagem as sg
-from helpers import agent_env
+from helpers import agent_env, matches_shown_output
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "gpt"
 SCRIPT = EXAMPLE / "train.py"
@@ -240,3 +240,14 @@ def test_the_script_runs_under_torchrun(stratagem_world, tmp_path):
     args = ["--iters", "4", "--strategy", "fsdp", "--device", "cpu"]
     reference = run(stratagem_world, dataclasses.replace(gpt.parse_args(args), verbose=False))
     check_output(done, reference, "fsdp+clip+accumulate2")
+
+
+@pytest.mark.slow
+def test_the_readme_shows_what_the_default_run_prints(tmp_path):
+    # Reported: the digest in examples/gpt/README.md was not what the example printed.
+    readme = (SCRIPT.parent / "README.md").read_text()
+    shown = re.search(r"## What to expect.*?^```\n(.*?)^```", readme, flags=re.S | re.M)
+    assert shown is not None, "README.md lost its 'What to expect' block"
+    done = run_script([sys.executable, str(SCRIPT), "--device", "cpu"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert matches_shown_output(shown.group(1), done.stdout), done.stdout

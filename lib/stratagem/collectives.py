@@ -18,8 +18,10 @@ from stratagem.errors import UsageError, describe
 from stratagem.fields import REDUCE_OPS, ReduceOp
 
 __all__ = [
+    "STALE_CONTEXT",
     "barrier",
     "broadcast",
+    "check_world",
     "expect_everyone",
     "gather",
     "gather_objects",
@@ -52,6 +54,33 @@ _DTYPES: tuple[torch.dtype, ...] = (
 # Dtypes some backend cannot carry (gloo has no int16), sent as a wider dtype and cast back.
 # Integer arithmetic wraps the same way after the cast back, so results equal a native reduction.
 _WIRE_DTYPES = {torch.int16: torch.int32}
+
+
+STALE_CONTEXT = (
+    "{function}: 'ctx' belongs to a world that has been torn down (its process group was "
+    "destroyed, by teardown or by a later setup); pass the Context that this world's setup "
+    "returned, the one launch gives your function."
+)
+
+
+def check_world(ctx: Context, function: str) -> Context:
+    """Return ``ctx`` if its process group is one of this process's live groups.
+
+    A Context kept from an earlier world (set up, torn down, set up again) still
+    holds its old group, which can no longer reach the other ranks' current
+    one. The usual case costs one identity test against the default group.
+
+    Raises:
+        UsageError: the group has been destroyed (`STALE_CONTEXT`).
+    """
+    group = ctx.group
+    if group is None or group is dist.group.WORLD:
+        return ctx
+    try:
+        dist.get_process_group_ranks(group)  # a group torch no longer knows: KeyError
+    except (KeyError, ValueError, RuntimeError):
+        raise UsageError(STALE_CONTEXT.format(function=function)) from None
+    return ctx
 
 
 def _to_wire(tensor: torch.Tensor) -> torch.Tensor:
@@ -116,7 +145,7 @@ def reduce(tensor: torch.Tensor, op: ReduceOp, ctx: Context) -> torch.Tensor:
     """
     tensor = _check_tensor(tensor, "reduce")
     op = _check_op(op)
-    check_context(ctx, "reduce")
+    check_world(check_context(ctx, "reduce"), "reduce")
     if tensor.dtype == torch.bool or tensor.is_complex():
         raise UsageError(
             f"reduce: dtype {tensor.dtype} is not supported; convert to an integer or "

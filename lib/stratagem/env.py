@@ -391,13 +391,26 @@ def _slurm_tasks_on_node(spec: str, node: int) -> int:
     return counts[node]
 
 
+# One host expression of a node list: a name, optionally with a bracketed list of numbers and
+# ranges ("gpu[003-005,9]"), optionally followed by more name ("n[1-2]-ib"); the whole list is
+# such expressions separated by commas. Anything else ("n[1-", "n]") was taken as host "n".
+_HOST_RANGE = r"\d+(?:-\d+)?"
+_HOST_EXPR = rf"[^,\[\]]+(?:\[{_HOST_RANGE}(?:,{_HOST_RANGE})*\][^,\[\]]*)?"
+_NODELIST = re.compile(rf"^{_HOST_EXPR}(?:,{_HOST_EXPR})*$")
+_FIRST_HOST = re.compile(r"^([^,\[]+)(?:\[(\d+)[^\]]*\]([^,\[\]]*))?")
+
+
 def _slurm_first_host(nodelist: str) -> str:
     """First host of a SLURM node list: ``"gpu[003-005,9],cpu1"`` gives ``"gpu003"``."""
-    first = re.match(r"^([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if first is None or not first.group(1):
-        raise EnvError(f"environment variable SLURM_NODELIST is malformed (got {nodelist!r}).")
-    prefix, ranges = first.group(1), first.group(2)
-    return prefix if ranges is None else prefix + ranges.split(",")[0].split("-")[0]
+    text = nodelist.strip()
+    first = _FIRST_HOST.match(text)
+    if _NODELIST.match(text) is None or first is None:
+        raise EnvError(
+            f"environment variable SLURM_NODELIST is malformed (got {nodelist!r}); expected a "
+            "form such as 'gpu[003-005,9],cpu1', or set MASTER_ADDR to the first node's host."
+        )
+    prefix, number, suffix = first.groups()
+    return prefix if number is None else prefix + number + suffix
 
 
 def _slurm(environ: Mapping[str, str]) -> Env:

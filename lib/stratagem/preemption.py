@@ -90,6 +90,12 @@ def _signal_numbers(signals: object) -> tuple[int, ...]:
         )
     numbers = []
     for item in signals:
+        # signal.Signals(True) is SIGHUP: a bool (or a float, None) is a mistake, not a number.
+        if isinstance(item, bool) or not isinstance(item, (str, int)):
+            raise UsageError(
+                f"on_preemption: each of 'signals' must be a signal name or number (got "
+                f"{describe(item)}); name one such as 'SIGTERM' or 'SIGUSR1'."
+            )
         try:
             number = signal.Signals[item] if isinstance(item, str) else signal.Signals(item)
         except (KeyError, ValueError):

@@ -30,6 +30,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from stratagem.collectives import check_world
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
 from stratagem.validators import (
@@ -621,7 +622,7 @@ def shard_loader(loader: Iterable[T], ctx: Context) -> Iterable[T]:
             Or its sampler yields different indices each time for one epoch.
             Or its dataset is empty (`check_not_empty`), or ``ctx`` is not a `Context`.
     """
-    check_context(ctx, "shard")
+    check_world(check_context(ctx, "shard"), "shard")
     if not isinstance(loader, DataLoader):
         raise UsageError(
             f"shard: 'loader' must be a torch DataLoader (got {describe(loader)}); shard other "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+import weakref
 from typing import Any
 
 import torch
@@ -21,11 +22,15 @@ from stratagem.trees import map_tensors
 from stratagem.validators import is_number, require
 
 __all__ = [
+    "OPTIMIZER_NOT_FOR_MODULE",
     "STEP_WITHOUT_FORWARD",
+    "UNWRAPPED_UNDER_DDP",
     "backward",
     "check_loss",
     "check_module",
     "check_optimizer",
+    "check_optimizer_holds",
+    "mark_inside_a_wrapper",
     "move_batch",
     "move_to_device",
     "no_sync",
@@ -88,6 +93,102 @@ def check_optimizer(optimizer: object, function: str) -> None:
     )
     hint = "; the arguments are (optimizer, module, ctx)"
     require(ok, f"{function}: 'optimizer'", "a torch.optim.Optimizer", optimizer, hint=hint)
+
+
+OPTIMIZER_NOT_FOR_MODULE = (
+    "{function}: the optimizer holds none of the parameters of the {module} passed with it "
+    "({count} parameter(s)), so stepping it would not train that module; build the optimizer "
+    "from the module that wrap returned, after wrap (fsdp and tensor_parallel replace the "
+    "parameters), e.g. torch.optim.AdamW(model.parameters())."
+)
+
+# optimizer -> the modules it was found to hold parameters of: the check walks every parameter
+# once per pair, and a step then costs one lookup. Weak on both sides: nothing is kept alive.
+_HOLDS: weakref.WeakKeyDictionary[Any, weakref.WeakSet[torch.nn.Module]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _dead() -> None:
+    return None
+
+
+_LAST: list[Any] = [_dead, _dead]  # weak references of the last pair found to be fine
+
+
+def check_optimizer_holds(optimizer: Any, module: object, function: str) -> None:
+    """Check that ``optimizer`` holds at least one parameter of ``module``.
+
+    A subset is fine (a frozen part, param groups), and so are parameters
+    beyond the module's (a learnable loss term); none at all is the mark of an
+    optimizer built over another module, or over this one before ``wrap``
+    replaced its parameters. The verdict is kept per (optimizer, module) pair.
+
+    Raises:
+        UsageError: ``optimizer`` holds none of ``module``'s parameters
+            (`OPTIMIZER_NOT_FOR_MODULE`).
+    """
+    last_optimizer, last_module = _LAST
+    if last_optimizer() is optimizer and last_module() is module:
+        return  # the usual loop: one pair, two dereferences
+    try:
+        known = _HOLDS.get(optimizer)
+    except TypeError:  # an optimizer-like object without weak references: checked every time
+        known = None
+    if known is not None and module in known:
+        _remember(optimizer, module)
+        return
+    if not isinstance(module, torch.nn.Module):
+        return  # the field's own check names it
+    ours = {id(p) for p in module.parameters()}
+    held = (id(p) for group in optimizer.param_groups for p in group["params"])
+    if ours and not any(p in ours for p in held):
+        raise UsageError(
+            OPTIMIZER_NOT_FOR_MODULE.format(
+                function=function, module=type(module).__name__, count=len(ours)
+            )
+        )
+    with contextlib.suppress(TypeError):
+        if known is None:
+            known = _HOLDS.setdefault(optimizer, weakref.WeakSet())
+        known.add(module)
+        _remember(optimizer, module)
+
+
+def _remember(optimizer: Any, module: object) -> None:
+    _LAST[:] = [weakref.ref(optimizer), weakref.ref(module)]
+
+
+UNWRAPPED_UNDER_DDP = (
+    "{function}: 'module' is the {module} from before wrap, not the DistributedDataParallel that "
+    "wrap returned, so its gradients would not be averaged and the ranks would drift apart; pass "
+    "the module that wrap returned (model = strategy.wrap(model, ctx)) and keep no other."
+)
+
+# id -> weak reference of each module that ddp()'s wrap put inside a DistributedDataParallel:
+# kept by the user from before wrap, a step on one would synchronise nothing. By id, checked by
+# identity, removed when the module dies: a step pays a dict lookup (a WeakSet's made a weakref
+# every time, 0.6 µs).
+_INSIDE: dict[int, weakref.ref[torch.nn.Module]] = {}
+
+
+def mark_inside_a_wrapper(module: torch.nn.Module) -> None:
+    """Record that ``module`` now lives inside a synchronising wrapper (``ddp()``'s wrap)."""
+    key = id(module)
+
+    def forget(_: weakref.ref[torch.nn.Module]) -> None:
+        _INSIDE.pop(key, None)
+
+    _INSIDE[key] = weakref.ref(module, forget)
+
+
+def _check_not_inside(module: object, function: str) -> None:
+    if _INSIDE:  # a program that never wrapped with DDP pays a truth test only
+        known = _INSIDE.get(id(module))
+        if known is not None and known() is module:
+            raise UsageError(
+                UNWRAPPED_UNDER_DDP.format(function=function, module=type(module).__name__)
+            )
 
 
 def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -167,7 +268,9 @@ def step(
 
     Raises:
         UsageError: ``module`` is not a module, ``forward`` not callable, ``ctx``
-            not a `Context`, or a tensor of the batch cannot be moved to the device.
+            not a `Context`, a tensor of the batch cannot be moved to the device, or
+            ``module`` is one that ``ddp()``'s wrap put inside its wrapper
+            (`UNWRAPPED_UNDER_DDP`).
     """
     # Every step runs this: one test for the common case; the checks and their messages after.
     ok = forward is None or callable(forward)
@@ -175,6 +278,8 @@ def step(
         check_module(module, "step")
         check_context(ctx, "step")
         require(ok, "step: 'forward'", "None or a function forward(module, batch)", forward)
+    if torch.is_grad_enabled():  # evaluation under no_grad through the inner module is fine
+        _check_not_inside(module, "step")
     batch = move_batch(batch, ctx.device)
     if forward is not None:
         return forward(module, batch)
@@ -207,12 +312,16 @@ def update(optimizer: torch.optim.Optimizer, module: torch.nn.Module, ctx: Conte
     """Step ``optimizer``, then set the gradients to ``None``.
 
     Raises:
-        UsageError: ``optimizer`` cannot step, or ``ctx`` is not a `Context`.
+        UsageError: ``optimizer`` cannot step, ``ctx`` is not a `Context`,
+            ``optimizer`` holds none of ``module``'s parameters (`OPTIMIZER_NOT_FOR_MODULE`),
+            or ``module`` is one that ``ddp()``'s wrap put inside its wrapper.
     """
     # One test in the usual case (every step runs this); the checks and their messages after.
     if not (isinstance(optimizer, torch.optim.Optimizer) and ctx.__class__ is Context):
         check_optimizer(optimizer, "update")
         check_context(ctx, "update")
+    _check_not_inside(module, "update")
+    check_optimizer_holds(optimizer, module, "update")  # a lookup once the pair is known
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 

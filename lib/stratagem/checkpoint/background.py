@@ -32,7 +32,7 @@ from stratagem.env import Context
 from stratagem.errors import CheckpointError, UsageError, describe
 from stratagem.validators import is_number
 
-__all__ = ["PendingSave", "settle", "start"]
+__all__ = ["PendingSave", "settle", "start", "unseen_failure"]
 
 # Seconds a wait without a timeout of its own allows: as long as the collectives may take.
 DEFAULT_WAIT = 1800.0
@@ -85,6 +85,12 @@ class PendingSave:
                 f"PendingSave.wait: 'timeout' must be None or a positive number of seconds "
                 f"(got {describe(timeout)})."
             )
+        if timeout is not None and not timeout <= threading.TIMEOUT_MAX:
+            raise UsageError(
+                f"PendingSave.wait: 'timeout' must be at most {threading.TIMEOUT_MAX:g} s, the "
+                f"longest wait threads allow (got {timeout!r}); pass None to wait as long as the "
+                "save's collectives may."
+            )
         if not self._finished.wait(DEFAULT_WAIT if timeout is None else timeout):
             raise CheckpointError(
                 f"save: the background save to {str(self.path)!r} did not end within "
@@ -98,6 +104,57 @@ class PendingSave:
     def _end(self, error: BaseException | None) -> None:
         self._error = error
         self._finished.set()
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0]
+
+
+def retold(error: BaseException, message: str) -> BaseException:
+    """Return ``error`` told by ``message``, of its own type where that type takes a message.
+
+    So ``except OSError`` still catches a failed save's disk error, which now
+    names the paths involved. Other types become a `CheckpointError`.
+    """
+    if not isinstance(error, Exception):
+        return error  # an interrupt stays one
+    told: BaseException
+    try:
+        told = (
+            type(error)(error.errno, message)
+            if isinstance(error, OSError) and error.errno is not None
+            else type(error)(message)
+        )
+    except Exception:  # a type whose constructor takes other arguments
+        told = CheckpointError(message)
+    if message not in str(told):
+        told = CheckpointError(message)
+    told.__cause__ = error
+    return told
+
+
+def unseen_failure(target: Path) -> None:
+    """Wait for the save in flight; if it failed unseen, raise its error naming ``target`` too.
+
+    The save to ``target`` is then not made, and says so: an error that named
+    only the earlier path would read as this save's failure, or be lost.
+
+    Raises:
+        Exception: the background save in flight failed and nobody waited for
+            it: its error, of its type where possible, naming both paths.
+    """
+    while _in_flight:
+        save = _in_flight[0]
+        try:
+            settle()
+        except Exception as error:
+            raise retold(
+                error,
+                f"save: the background save to {str(save.path)!r} failed, and nobody waited "
+                f"for it ({type(error).__name__}: {_first_line(error)}); so this save to "
+                f"{str(target)!r} was not made: save again (call wait() on a background "
+                "save's handle to see its error where it happens).",
+            ) from None
 
 
 _in_flight: list[PendingSave] = []

@@ -42,6 +42,7 @@ from stratagem.errors import CheckpointError
 
 __all__ = [
     "check_storage",
+    "check_tensors",
     "checksums",
     "failure_of",
     "read",
@@ -249,6 +250,112 @@ def check_storage(directory: Path, metadata: Metadata, sizes: dict[str, int]) ->
                 directory,
                 f"{index.fqn!r} lies outside {name} "
                 f"(bytes {offset}..{offset + length} of {sizes[name]})",
+            )
+
+
+_MAX_DIMENSIONS = 64
+
+
+def _shown(metadata: Metadata, fqn: str) -> str:
+    path = metadata.planner_data.get(fqn)
+    return "/".join(map(str, path)) if isinstance(path, tuple) and path else str(fqn)
+
+
+def _volume(sizes: Any) -> int:
+    volume = 1
+    for size in sizes:
+        volume *= size
+    return volume
+
+
+def _sizes_of(value: Any, dimensions: int | None) -> tuple[int, ...] | None:
+    """Return ``value`` as a tuple of non-negative ints (of ``dimensions`` of them), else None."""
+    if not isinstance(value, (tuple, list)) or len(value) > _MAX_DIMENSIONS:
+        return None
+    if dimensions is not None and len(value) != dimensions:
+        return None
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        return None
+    return tuple(value)
+
+
+def _overlapping(chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
+    """Whether any two boxes ``(offsets, sizes)`` share an element (a sweep along dimension 0)."""
+    boxes = sorted((o, z) for o, z in chunks if _volume(z) > 0)
+    for i, (offsets, sizes) in enumerate(boxes):
+        for other, other_sizes in boxes[i + 1 :]:
+            if offsets and other[0] >= offsets[0] + sizes[0]:
+                break
+            if all(
+                max(a, b) < min(a + m, b + n)
+                for a, m, b, n in zip(offsets, sizes, other, other_sizes, strict=True)
+            ):
+                return True
+    return False
+
+
+def check_tensors(directory: Path, metadata: Metadata, sizes: dict[str, int]) -> None:
+    """Check that every tensor the metadata declares is possible and covered exactly once.
+
+    A crafted ``.metadata`` may declare a tensor larger than the checkpoint's
+    files (an allocation of terabytes), a negative dimension, or pieces that
+    leave part of a tensor unread (the live tensor would keep its old values
+    there) or read it twice.
+
+    Raises:
+        CheckpointError: a tensor's shape, dtype or pieces are impossible.
+    """
+    stored = sum(sizes.values())
+    for fqn, item in metadata.state_dict_metadata.items():
+        if not isinstance(item, TensorStorageMetadata):
+            continue
+        key = _shown(metadata, fqn)
+        dtype = getattr(item.properties, "dtype", None)
+        shape = _sizes_of(item.size, None)
+        if not isinstance(dtype, torch.dtype):
+            raise unreadable(directory, f"its .metadata gives {key!r} no dtype")
+        if shape is None:
+            raise unreadable(
+                directory,
+                f"its .metadata declares {key!r} of shape {item.size!r}, with a negative or "
+                f"non-integer dimension, or more than {_MAX_DIMENSIONS} (a crafted file)",
+            )
+        elements = _volume(shape)
+        if elements * dtype.itemsize > stored:
+            raise unreadable(
+                directory,
+                f"its .metadata declares {key!r} of shape {list(shape)} "
+                f"({elements * dtype.itemsize} bytes), more than the {stored} bytes of its "
+                "files (a crafted file)",
+            )
+        chunks = []
+        for chunk in item.chunks if isinstance(item.chunks, list) else [None]:
+            offsets = _sizes_of(getattr(chunk, "offsets", None), len(shape))
+            extent = _sizes_of(getattr(chunk, "sizes", None), len(shape))
+            if (
+                offsets is None
+                or extent is None
+                or any(o + z > d for o, z, d in zip(offsets, extent, shape, strict=True))
+            ):
+                raise unreadable(
+                    directory, f"its .metadata lists a piece of {key!r} outside its shape"
+                )
+            if _volume(extent) and MetadataIndex(fqn, offsets) not in metadata.storage_data:
+                raise unreadable(
+                    directory, f"its .metadata lists a piece of {key!r} stored nowhere"
+                )
+            chunks.append((offsets, extent))
+        if _overlapping(chunks):
+            raise unreadable(
+                directory, f"the pieces its .metadata lists for {key!r} overlap (a crafted file)"
+            )
+        covered = sum(_volume(z) for _, z in chunks)
+        if covered != elements:
+            raise unreadable(
+                directory,
+                f"the pieces its .metadata lists for {key!r} cover {covered} of its "
+                f"{elements} elements (a crafted or corrupt file: part of the tensor would "
+                "keep its old values)",
             )
 
 

@@ -60,6 +60,7 @@ import json
 import os
 import pickle
 import re
+import secrets
 import shutil
 import socket
 import stat
@@ -95,6 +96,7 @@ __all__ = [
     "read_metadata",
     "refusal",
     "resolve",
+    "run_directory",
     "stage_hook",
     "unreadable",
 ]
@@ -106,6 +108,10 @@ _OLD = ".old-"
 _LOCK = ".lock"
 _MAX_MANIFEST = 64 << 20  # bytes; a manifest lists names and sizes, never data
 _CHUNK = 1 << 22  # bytes read at a time for a checksum
+# Bounds of the counts a manifest gives (untrusted: a huge one would be a loop without end).
+_MAX_COUNT = 1 << 62
+_MAX_WORLD = 1 << 24  # ranks
+_LAST_NS = 253402300799 * 10**9  # 9999-12-31 23:59:59 UTC, the last time datetime shows
 # Reopening an open file by its /proc name pins a version's files (Linux only).
 _PINNING = Path("/proc/self/fd").is_dir()
 
@@ -249,10 +255,28 @@ def read_manifest(directory: Path, shown: Path | None = None) -> dict[str, Any]:
         manifest = json.loads(text)
     except ValueError as error:
         raise unreadable(named, f"{MANIFEST} is not valid JSON ({error})") from None
+    except RecursionError:
+        raise unreadable(
+            named, f"{MANIFEST} is nested deeper than Python can read (a crafted file)"
+        ) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise unreadable(named, f"{MANIFEST} does not describe a {FORMAT} checkpoint")
-    if not isinstance(manifest.get("saved_at_ns"), int):
+    when = manifest.get("saved_at_ns")
+    if isinstance(when, bool) or not isinstance(when, int):
         raise unreadable(named, f"{MANIFEST} does not say when it was saved")
+    if not 0 <= when <= _LAST_NS:
+        raise unreadable(
+            named,
+            f"{MANIFEST} gives saved_at_ns {when}, not a time from 1970 to 9999 "
+            "(a crafted or corrupt file)",
+        )
+    world = manifest.get("world_size")
+    if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world <= _MAX_WORLD:
+        raise unreadable(
+            named,
+            f"{MANIFEST} gives world_size {world!r}, not a number of ranks from 1 to "
+            f"{_MAX_WORLD} (a crafted or corrupt file)",
+        )
     files = manifest.get("files")
     if not isinstance(files, dict) or ".metadata" not in files:
         raise unreadable(named, f"{MANIFEST} lists no files")
@@ -359,7 +383,36 @@ def _newest(directories: list[Path]) -> Found | None:
     for directory in directories:
         with contextlib.suppress(CheckpointError):
             found.append(Found(directory, read_manifest(directory)))
-    return max(found, key=lambda f: f.manifest.get("saved_at_ns", 0), default=None)
+    return max(found, key=order, default=None)
+
+
+def order(found: Found) -> tuple[int, int]:
+    """Return the key that sorts checkpoints oldest first: their sequence, then their time.
+
+    Each commit writes ``sequence``, one more than the largest beside it, so a
+    clock that ran ahead in an earlier job cannot make an older checkpoint
+    look newer. Checkpoints of versions before it have none (0): they sort
+    among themselves by ``saved_at_ns``, and before every newer one.
+    """
+    sequence = found.manifest.get("sequence", 0)
+    if isinstance(sequence, bool) or not isinstance(sequence, int):
+        sequence = 0
+    return sequence, found.manifest.get("saved_at_ns", 0)
+
+
+def _next_sequence(parent: Path) -> int:
+    """Return one more than the largest ``sequence`` of a checkpoint in ``parent``."""
+    largest = 0
+    with contextlib.suppress(OSError):
+        for child in parent.iterdir():
+            with contextlib.suppress(OSError, ValueError, RecursionError):
+                if child.is_symlink() or not child.is_dir():
+                    continue
+                manifest = json.loads(_read_small(child / MANIFEST, _MAX_MANIFEST))
+                value = manifest.get("sequence") if isinstance(manifest, dict) else None
+                if isinstance(value, int) and not isinstance(value, bool) and value < _MAX_COUNT:
+                    largest = max(largest, value)
+    return largest + 1
 
 
 def resolve(target: Path) -> Found:
@@ -427,6 +480,15 @@ def discard(directory: Path) -> None:
     if directory.is_symlink():
         directory.unlink()
         return
+    if _TMP not in directory.name:
+        # Renamed first: a removal killed half way leaves a temporary name, which the next
+        # commit beside it removes, never a checkpoint's name on a directory without a manifest.
+        doomed = temporary(directory, secrets.token_hex(6))
+        try:
+            os.rename(directory, doomed)
+        except FileNotFoundError:
+            return
+        directory = doomed
     with contextlib.suppress(FileNotFoundError):
         (directory / MANIFEST).unlink()
     stage_hook("discarding")
@@ -457,6 +519,24 @@ def _lock_path(target: Path) -> Path:
     return target.with_name(f"{target.name}{_LOCK}")
 
 
+def _locked_soon(fd: int) -> bool:
+    """Lock ``fd``, waiting up to a second while its holder has not named itself.
+
+    A save names itself just after it locks; a commit cleaning beside it
+    (`_sweep`) holds a lock for a moment and names nobody.
+    """
+    for _ in range(100):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if os.pread(fd, 1, 0):
+                return False  # a save holds it
+            time.sleep(0.01)
+        else:
+            return True
+    return False
+
+
 def _claim(target: Path) -> int:
     """Take the exclusive lock of saves to ``target``, or say who holds it.
 
@@ -464,17 +544,16 @@ def _claim(target: Path) -> int:
         CheckpointError: another live process holds it.
     """
     lock = _lock_path(target)
+    if lock.is_symlink():
+        raise CheckpointError(
+            f"save: {os.fspath(lock)!r} is a symbolic link, and the lock of saves to "
+            f"{os.fspath(target)!r} is never taken through a link; remove the link (no save "
+            "holds it) and save again."
+        )
     while True:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = ""
-            for _ in range(20):  # the holder names itself just after it locks
-                owner = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
-                if owner:
-                    break
-                time.sleep(0.01)
+        if not _locked_soon(fd):
+            owner = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
             os.close(fd)
             owner = owner or "a process that has not yet written its pid"
             raise CheckpointError(
@@ -515,20 +594,71 @@ def begin(target: Path, token: str) -> Path:
         CheckpointError: another save to ``target`` is running, or ``target``
             is a link or holds something other than a checkpoint.
     """
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd = _claim(target)
+    try:
+        _writable_parent(target)
+        fd = _claim(target)
+    except PermissionError as error:
+        raise _denied(error, target) from None
     try:
         _put_back(target)
         _replaceable(target)
         tmp = temporary(target, token)
         tmp.mkdir()
-    except BaseException:
+    except BaseException as error:
         with contextlib.suppress(FileNotFoundError):
             _lock_path(target).unlink()
         os.close(fd)
+        if isinstance(error, PermissionError):
+            raise _denied(error, target) from None
         raise
     _held[tmp] = fd
     return tmp
+
+
+def _writable_parent(target: Path) -> None:
+    """Make ``target``'s parent directories, or say in one line why they cannot be.
+
+    Raises:
+        CheckpointError: an ancestor is a file or a link that leads nowhere (a
+            loop), or the parent is itself a checkpoint (which a prune or a
+            save replacing it would remove, with whatever it holds).
+    """
+    for ancestor in [target.parent, *target.parent.parents]:
+        if os.path.lexists(ancestor):
+            if not ancestor.is_dir():
+                what = "a link that leads nowhere" if ancestor.is_symlink() else "a file"
+                raise CheckpointError(
+                    f"save: {os.fspath(ancestor)!r} is not a directory ({what}), so "
+                    f"{os.fspath(target)!r} cannot be made under it; remove it, or save elsewhere."
+                )
+            break
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if (target.parent / MANIFEST).exists():
+        raise CheckpointError(
+            f"save: {os.fspath(target.parent)!r} is a checkpoint, and a checkpoint inside "
+            "another is removed when that one is replaced or pruned; save beside it "
+            f"({os.fspath(target.parent.parent / target.name)!r})."
+        )
+
+
+def _denied(error: PermissionError, target: Path) -> CheckpointError:
+    where = Path(error.filename).parent if error.filename else target.parent
+    for place in [where, *where.parents]:
+        if place.exists():
+            where = place
+            break
+    with contextlib.suppress(OSError):
+        owner = where.stat().st_uid
+        if owner != os.geteuid():
+            return CheckpointError(
+                f"save: no permission to write in {os.fspath(where)!r} (it belongs to uid "
+                f"{owner}, this process runs as uid {os.geteuid()}); save where this user may "
+                "write, or have its owner grant write access."
+            )
+    return CheckpointError(
+        f"save: no permission to write in {os.fspath(where)!r} ({error.strerror}); save where "
+        "this process may write, or grant it write access."
+    )
 
 
 def _release(tmp: Path, target: Path) -> None:
@@ -564,6 +694,7 @@ def commit(tmp: Path, target: Path, manifest: dict[str, Any], keep_last: int | N
             **manifest,
             "format": FORMAT,
             "saved_at_ns": time.time_ns(),
+            "sequence": _next_sequence(target.parent),
             "version": tmp.name.rsplit(_TMP, 1)[1],
             "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()},
         }
@@ -588,8 +719,74 @@ def commit(tmp: Path, target: Path, manifest: dict[str, Any], keep_last: int | N
             discard(leftover)
         if keep_last is not None:
             _prune(target, keep_last)
+        _sweep(target)
     finally:
         _release(tmp, target)
+
+
+def _sweep(target: Path) -> None:
+    """Remove what dead saves to other paths beside ``target`` left: locks, temporary directories.
+
+    A save killed before its commit leaves ``name.lock`` and ``name.tmp-*``;
+    a prune killed while removing leaves ``name.tmp-*``. Each ``name`` is
+    cleaned under its own lock, taken without waiting, exactly as a save to
+    it would clean: one a live process holds (a save writing) is left alone.
+    A previous version moved aside (``name.old-*``) goes only once ``name``
+    is a checkpoint again.
+    """
+    names = set()
+    with contextlib.suppress(OSError):
+        for child in target.parent.iterdir():
+            left = _LEFTOVER.fullmatch(child.name)
+            if left is not None:
+                names.add(left.group(1))
+            elif child.name.endswith(_LOCK) and _our_lock(child):
+                names.add(child.name.removesuffix(_LOCK))
+    for name in sorted(names - {target.name}):
+        other = target.with_name(name)
+        with contextlib.suppress(OSError, CheckpointError):
+            lock = _lock_path(other)
+            if lock.is_symlink():
+                continue  # not ours to remove: a save to it says what is wrong
+            fd = _try_lock(lock)
+            if fd is None:
+                continue  # a live save holds it
+            try:
+                leftovers = _siblings(other, _TMP)
+                if _is_checkpoint(other):
+                    leftovers += _siblings(other, _OLD)
+                for leftover in leftovers:
+                    discard(leftover)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    lock.unlink()
+                os.close(fd)
+
+
+# What a save leaves beside its path: PATH.tmp-<token>, PATH.old-<token> (token_hex(6)).
+_LEFTOVER = re.compile(r"(.+)\.(?:tmp|old)-[0-9a-f]{12}")
+
+
+def _our_lock(path: Path) -> bool:
+    """Whether ``path`` is a lock file a save made: empty, or naming its holder's pid."""
+    with contextlib.suppress(OSError):
+        text = b"link" if path.is_symlink() else _read_small(path, 4096)
+        return text == b"" or text.startswith(b"pid ")
+    return False
+
+
+def _try_lock(lock: Path) -> int | None:
+    """Return a descriptor holding ``lock`` (made if absent); None where a live process holds it."""
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        if os.path.samestat(os.fstat(fd), os.stat(lock, follow_symlinks=False)):
+            return fd
+        os.close(fd)  # its holder removed it meanwhile: lock the one at the path
 
 
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -637,7 +834,7 @@ def _checkpoints_in(directory: Path) -> Iterator[Found]:
 
 def _prune(target: Path, keep_last: int) -> None:
     """Remove all but the ``keep_last`` newest checkpoints beside ``target`` (never ``target``)."""
-    found = sorted(_checkpoints_in(target.parent), key=lambda f: f.manifest["saved_at_ns"])
+    found = sorted(_checkpoints_in(target.parent), key=order)
     doomed = [f.directory for f in found[:-keep_last] if f.directory != target]
     for directory in doomed:
         discard(directory)
@@ -650,13 +847,10 @@ def latest(directory: str | os.PathLike[str]) -> Path | None:
     under its own name (loading it gives the previous version).
 
     Raises:
-        UsageError: ``directory`` is not a str or path-like.
+        UsageError: ``directory`` is not a str or path-like, is a file or a
+            link loop, or is itself a checkpoint (pass the directory holding it).
     """
-    if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
-        raise UsageError(
-            f"latest: 'directory' must be a str or os.PathLike (got {describe(directory)})."
-        )
-    parent = Path(directory)
+    parent = run_directory(directory, "latest")
     if not parent.is_dir():
         return None
     found = list(_checkpoints_in(parent))
@@ -665,8 +859,41 @@ def latest(directory: str | os.PathLike[str]) -> Path | None:
         if _OLD in child.name and not child.is_symlink() and not base.exists():
             with contextlib.suppress(CheckpointError, FileNotFoundError):
                 found.append(Found(base, resolve(base).manifest))
-    newest = max(found, key=lambda f: f.manifest["saved_at_ns"], default=None)
+    newest = max(found, key=order, default=None)
     return None if newest is None else newest.directory
+
+
+def run_directory(directory: object, function: str) -> Path:
+    """Return ``directory`` as a `Path`, checked to be where a run keeps its checkpoints.
+
+    It need not exist yet.
+
+    Raises:
+        UsageError: it is not a str or path-like, holds a NUL byte, is a file
+            or a link that leads nowhere, or is itself a checkpoint.
+    """
+    if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
+        raise UsageError(
+            f"{function}: 'directory' must be a str or os.PathLike (got {describe(directory)})."
+        )
+    text = os.fspath(directory)
+    if "\0" in str(text):
+        raise UsageError(
+            f"{function}: 'directory' holds a NUL byte ({text!r}); pass the path without it."
+        )
+    parent = Path(text)
+    if os.path.lexists(parent) and not parent.is_dir():
+        what = "a link that leads nowhere" if parent.is_symlink() else "a file"
+        raise UsageError(
+            f"{function}: 'directory' {text!r} is {what}, not the directory of a run's "
+            "checkpoints; pass that directory (it need not exist yet)."
+        )
+    if (parent / MANIFEST).exists():
+        raise UsageError(
+            f"{function}: 'directory' {text!r} is a checkpoint, not the directory holding a "
+            f"run's checkpoints; pass its parent, {os.fspath(parent.absolute().parent)!r}."
+        )
+    return parent
 
 
 _METADATA_CLASSES = {

@@ -225,6 +225,7 @@ def classify(state: object, function: str) -> list[Entry]:
             f"{function}: entries {clashes} would collide with the per-rank entries stored "
             f"under '<name>.<rank>' ({per_rank}); rename them, e.g. with '_' for '.'."
         )
+    _refuse_colliding(state, function)
     modules = {k: settle(unwrap(v)) for k, v in state.items() if isinstance(v, torch.nn.Module)}
     entries = []
     for name, value in state.items():
@@ -239,6 +240,37 @@ def classify(state: object, function: str) -> list[Entry]:
         else:
             entries.append(Entry(name, kind, value))
     return entries
+
+
+def _refuse_colliding(state: Mapping[str, Any], function: str) -> None:
+    r"""Refuse names DCP would mix up, and (to save) names that read as file paths.
+
+    DCP joins an entry's name and its keys with dots, so ``"model"`` (whose key
+    ``weight`` becomes ``model.weight``) and ``"model.weight"`` name one item.
+    A ``/`` or ``\`` in a name reads as a path (``../x``, ``/etc/passwd``) and,
+    in what ``describe`` shows, as another entry's key.
+
+    Raises:
+        UsageError: two names collide, or a name to save holds a path separator.
+    """
+    names = sorted(state)
+    for second in names:
+        parts = second.split(".")
+        for first in (".".join(parts[:end]) for end in range(1, len(parts))):
+            if first in state:
+                raise UsageError(
+                    f"{function}: the entries {first!r} and {second!r} collide: DCP stores "
+                    f"the keys of {first!r} as '{first}.<key>', so both name one item; "
+                    "rename one of them (e.g. with '_' for '.')."
+                )
+    if function == "save":
+        for name in names:
+            if "/" in name or "\\" in name:
+                raise UsageError(
+                    f"save: the entry name {name!r} holds a path separator, which reads as a "
+                    "file path, or as another entry's key where a checkpoint is described; "
+                    "rename it (e.g. with '_' for '/')."
+                )
 
 
 def live_state(entry: Entry, *, flat: bool = False) -> Any:

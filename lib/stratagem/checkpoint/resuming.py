@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from stratagem.checkpoint.directory import latest
+from stratagem.checkpoint.directory import latest, run_directory
 from stratagem.checkpoint.entries import capture_rng, classify, restore_rng
 from stratagem.checkpoint.rank_zero import on_main
 from stratagem.env import Context, check_context
@@ -74,11 +74,7 @@ def resume_or_start(
         >>> sg.resume_or_start(run, {"model": model, "step": 0}, strategy, ctx)
         {'step': 5}
     """
-    if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
-        raise UsageError(
-            f"resume_or_start: 'directory' must be a str or os.PathLike (got "
-            f"{describe(directory)})."
-        )
+    run_directory(directory, "resume_or_start")  # here, so that every rank raises its error
     if not isinstance(strategy, StrategyLike):
         raise UsageError(
             f"resume_or_start: 'strategy' must be a Strategy (got {describe(strategy)}); the "

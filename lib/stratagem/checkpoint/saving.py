@@ -30,6 +30,7 @@ from stratagem.checkpoint.entries import (
     RNG_KEY,
     Entry,
     Kind,
+    capture_rng,
     classify,
     differing_replicas,
     leaf_paths,
@@ -63,7 +64,13 @@ def checked_path(path: object, function: str) -> Path:
     """
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise UsageError(f"{function}: 'path' must be a str or os.PathLike (got {describe(path)}).")
-    return Path(os.fspath(path)).absolute()
+    text = os.fspath(path)
+    if (b"\0" if isinstance(text, bytes) else "\0") in text:
+        raise UsageError(
+            f"{function}: 'path' holds a NUL byte ({text!r}), which no file name may; pass the "
+            "path without it."
+        )
+    return Path(text).absolute()
 
 
 def _check_flag(value: object, name: str, function: str) -> None:
@@ -130,7 +137,8 @@ def save(
             across ranks.
         CollectiveCallError: some ranks did not call ``save``.
     """
-    collectives.expect_everyone(check_context(ctx, "save"), "save")
+    ctx = collectives.check_world(check_context(ctx, "save"), "save")  # before any file is made
+    collectives.expect_everyone(ctx, "save")
     target = checked_path(path, "save")
     _check_flag(rng, "rng", "save")
     _check_flag(verify, "verify", "save")
@@ -143,7 +151,7 @@ def save(
             f"save: 'keep_last' must be None or a positive int (got {describe(keep_last)})."
         )
     entries = classify(state, "save")
-    background.settle()  # one save in flight: the last one ends (or raises) before this starts
+    background.unseen_failure(target)  # one save in flight: it ends (or raises) before this starts
     saved: dict[str, Any] = {}
     ties: dict[str, dict[str, str]] = {}
     error: Exception | None = None
@@ -236,6 +244,7 @@ def _checked(found: Found) -> Metadata:
     from stratagem.checkpoint import dcp_files
 
     dcp_files.check_storage(found.directory, metadata, found.manifest["files"])
+    dcp_files.check_tensors(found.directory, metadata, found.manifest["files"])
     return metadata
 
 
@@ -290,17 +299,34 @@ def opened(target: Path, ctx: Context) -> Iterator[tuple[Found, Metadata]]:
 
 
 def blob_paths(
-    kinds: dict[str, Kind], world_size: int, *, ranks: Iterable[int] | None = None
+    kinds: dict[str, Kind],
+    world_size: int,
+    *,
+    ranks: Iterable[int] | None = None,
+    present: Iterable[tuple[str, ...]] | None = None,
 ) -> set[tuple[str, ...]]:
     """Return the key paths of the values stored as bytes: plain values, objects' states, RNGs.
 
     Args:
         kinds: the checkpoint's entries.
         world_size: the size of the saving world.
-        ranks: the ranks whose per-rank entries and RNG states to include (default: all).
+        ranks: the ranks whose per-rank entries and RNG states to include
+            (default: all, as far as ``present`` holds them).
+        present: the key paths the checkpoint holds (its metadata's): with
+            all ranks, the paths are picked from these rather than made for
+            every rank.
     """
     paths = {(name,) for name, kind in kinds.items() if kind in ("object", "value")}
-    per_rank = [RNG_KEY, *(name for name, kind in kinds.items() if kind in PER_RANK_KINDS)]
+    per_rank = {RNG_KEY, *(name for name, kind in kinds.items() if kind in PER_RANK_KINDS)}
+    if ranks is None and present is not None:
+        return paths | {
+            path
+            for path in present
+            if len(path) == 2
+            and path[0] in per_rank
+            and path[1].isdecimal()
+            and int(path[1]) < world_size
+        }
     chosen = range(world_size) if ranks is None else ranks
     return paths | {(name, str(rank)) for rank in chosen for name in per_rank}
 
@@ -496,7 +522,8 @@ def load(
         CollectiveCallError: some ranks did not call ``load`` within
             ``ctx.arrivals.timeout`` seconds.
     """
-    collectives.expect_everyone(check_context(ctx, "load"), "load")
+    ctx = collectives.check_world(check_context(ctx, "load"), "load")  # before any file is made
+    collectives.expect_everyone(ctx, "load")
     target = checked_path(path, "load")
     _check_flag(strict, "strict", "load")
     _check_flag(rng, "rng", "load")
@@ -549,6 +576,7 @@ def _load(
         own_rng = (RNG_KEY, mine)
         if rng and same_world and own_rng in stored:
             rng_saved = decode(stored[own_rng], "the RNG state")
+            tried_rng(rng_saved, ctx.device, int(mine))
     except CheckpointError as error:
         rank_error = error
     ties = _ties(found)
@@ -584,6 +612,30 @@ def _load(
     if rng_saved is not None:
         restore_rng(rng_saved, ctx.device)
     return values
+
+
+def tried_rng(state: Any, device: torch.device, rank: int) -> None:
+    """Check that ``state`` restores this process's generators, and leave them as they were.
+
+    Setting them is the one complete check of a state's format (Python's,
+    NumPy's and torch's each have their own); it is done, then undone, before
+    a load touches any live object.
+
+    Raises:
+        CheckpointError: the state is malformed (the generators are unchanged).
+    """
+    kept = capture_rng(device)
+    try:
+        restore_rng(state, device)
+    except Exception as error:  # whatever each generator's setter refuses
+        first = (str(error).strip().splitlines() or [""])[0]
+        raise CheckpointError(
+            f"load: rank {rank}'s RNG state in the checkpoint is malformed "
+            f"({type(error).__name__}: {first}); nothing was loaded. Pass rng=False to load "
+            "the rest and keep this run's RNG states."
+        ) from None
+    finally:
+        restore_rng(kept, device)
 
 
 def _ties(found: Found) -> dict[str, dict[str, str]]:

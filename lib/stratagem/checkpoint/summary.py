@@ -68,14 +68,15 @@ class Description:
             f"  saved {self.saved_at:%Y-%m-%d %H:%M:%S} UTC by {self.world_size} rank(s); "
             f"RNG states of ranks {list(self.rng_ranks)}",
         ]
+        owners = _owners(self.entries, [*self.tensors, *self.values])
         for name in sorted(self.entries, key=_natural):
-            lines.append(f"  {name} ({self.entries[name]})")
+            lines.append(f"  {_name(name)} ({self.entries[name]})")
             prefix = f"{name}/"
             shown = {
-                k[len(prefix) :]: f": {v}" for k, v in self.tensors.items() if k.startswith(prefix)
+                k[len(prefix) :]: f": {v}" for k, v in self.tensors.items() if owners.get(k) == name
             }
             for key, value in self.values.items():
-                if key.startswith(prefix):
+                if owners.get(key) == name and key not in self.entries:  # not an entry's own
                     shown.update(_value_lines(key[len(prefix) :], value))
             if name in self.values:
                 shown.update(_value_lines("", self.values[name]))
@@ -85,6 +86,28 @@ class Description:
 
 _WIDTH = 60  # characters of a value's repr shown; the rest is cut to "..."
 _CHEAP = 1 << 24  # elements of a tensor in memory up to which min/max/mean are worth computing
+
+
+def _owners(entries: Mapping[str, Any], keys: list[str]) -> dict[str, str]:
+    """Return the entry each ``entry/key`` belongs to: the longest entry name it is under.
+
+    An entry named ``model/weight`` (only a crafted checkpoint has one; `save`
+    refuses it) then keeps its own value, and ``model``'s weight stays ``model``'s.
+    """
+    owners: dict[str, str] = {}
+    for key in keys:
+        parts = key.split("/")
+        for end in range(len(parts) - 1, 0, -1):  # a key of an entry, never the entry itself
+            if "/".join(parts[:end]) in entries:
+                owners[key] = "/".join(parts[:end])
+                break
+    return owners
+
+
+def _name(name: str) -> str:
+    """Return an entry's name as shown: quoted where it reads as a path or hides its ends."""
+    # Not for a backslash: the CLI shows control characters escaped (\x1b) before this.
+    return repr(name) if "/" in name or name != name.strip() else name
 
 
 def _natural(key: str) -> list[str | int]:
@@ -151,7 +174,8 @@ def describe(path: str | os.PathLike[str]) -> Description:
     with opened(checked_path(path, "describe"), alone) as (found, metadata):
         kinds: dict[str, Kind] = found.manifest["entries"]
         world = found.manifest["world_size"]
-        blobs = blob_paths(kinds, world)
+        held = [tuple(map(str, p)) for p in metadata.planner_data.values() if isinstance(p, tuple)]
+        blobs = blob_paths(kinds, world, present=held)
         stored = dcp_files.read_values(found, metadata, blobs, alone)
     tensors, values = {}, {}
     for name, items in layout_of(metadata).items():
@@ -171,5 +195,5 @@ def describe(path: str | os.PathLike[str]) -> Description:
         entries=dict(kinds),
         tensors=tensors,
         values=values,
-        rng_ranks=tuple(r for r in range(world) if (RNG_KEY, str(r)) in stored),
+        rng_ranks=tuple(sorted(int(p[1]) for p in stored if len(p) == 2 and p[0] == RNG_KEY)),
     )

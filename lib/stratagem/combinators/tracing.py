@@ -93,7 +93,23 @@ def _checked_path(path: object, owner: str) -> str:
     text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
     wanted = "a non-empty str or os.PathLike, the file every rank appends to"
     require(isinstance(text, str) and text != "", f"{owner}: 'path'", wanted, path)
-    return cast(str, text)
+    text = cast(str, text)
+    # Checked here, not at the first event: a rank that cannot write its trace fails at once,
+    # before any training, instead of with a raw OSError in the middle of a field.
+    parent = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text):
+        raise UsageError(f"{owner}: 'path' is a directory (got {text!r}); name a file inside it.")
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        raise UsageError(
+            f"{owner}: 'path' is under {parent!r}, which is not a directory (got {text!r}); "
+            "name a file in a directory."
+        )
+    if not os.path.isdir(parent):
+        raise UsageError(
+            f"{owner}: 'path' is in a directory that does not exist ({parent!r}, got {text!r}); "
+            "create it first (os.makedirs), or name a file in an existing directory."
+        )
+    return text
 
 
 def _sink_path(path: object) -> str:
@@ -116,7 +132,8 @@ class JsonLinesSink:
         path: the file; created if missing, never truncated.
 
     Raises:
-        UsageError: ``path`` is not a str or path-like.
+        UsageError: ``path`` is not a str or path-like, is a directory, or its
+            directory does not exist.
     """
 
     path: str = attrs.field(converter=_sink_path)
@@ -236,7 +253,8 @@ class ChromeTraceSink:
         path: the file; created if missing, never truncated (delete it to start over).
 
     Raises:
-        UsageError: ``path`` is not a str or path-like; on an event, the file
+        UsageError: ``path`` is not a str or path-like, is a directory, or its
+            directory does not exist; on an event, the file
             holds something this sink did not write.
     """
 

@@ -128,6 +128,7 @@ class AllreduceThenStep:
             training.check_optimizer(optimizer, "update")
             module = training.check_module(module, "update")
             check_context(ctx, "update")
+        training.check_optimizer_holds(optimizer, module, "update")  # a lookup once known
         # is_distributed(ctx), without its two calls: a world of one has nothing to average.
         if ctx.group is not None and ctx.env.world_size > 1:
             average_gradients_overlapped(

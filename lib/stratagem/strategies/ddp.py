@@ -29,6 +29,7 @@ from stratagem.strategy import Strategy
 from stratagem.validators import a_bool, positive_number
 
 __all__ = [
+    "UNWRAPPED_UNDER_DDP",
     "DDPOptions",
     "JoinProcessGroup",
     "WrapDDP",
@@ -38,9 +39,20 @@ __all__ = [
     "leave_process_group",
 ]
 
+UNWRAPPED_UNDER_DDP = training.UNWRAPPED_UNDER_DDP
+
 _FLAG = a_bool("ddp({name}=...)")
-# DDP turns it into a byte count: NaN and infinity would fail there, at wrap, on every rank.
-_BUCKET_CAP = positive_number("ddp({name}=...)", unit="MiB, finite", optional="None")
+# DDP turns it into a byte count that its reducer holds in an int64: NaN, infinity and 2**43 MiB
+# or more failed there, at wrap, with a raw TypeError on every rank. A cap above the model's
+# size makes one bucket, so 1 TiB bounds it with room to spare.
+MAX_BUCKET_CAP_MB = 2**20
+_BUCKET_CAP = positive_number(
+    "ddp({name}=...)",
+    unit="MiB, finite",
+    at_most=MAX_BUCKET_CAP_MB,
+    optional="None",
+    hint="; a cap above the model's size already makes one bucket",
+)
 
 
 @attrs.frozen(kw_only=True)
@@ -81,12 +93,14 @@ class WrapDDP:
             # torch 2.13 deprecates broadcast_buffers for forward_sync_buffers, which still
             # syncs at init; the old flag keeps its documented meaning on every supported torch.
             warnings.filterwarnings("ignore", "`broadcast_buffers` is deprecated", FutureWarning)
-            return DistributedDataParallel(
+            wrapped = DistributedDataParallel(
                 module,
                 device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
                 process_group=ctx.group,
                 **options,
             )
+        training.mark_inside_a_wrapper(module)  # step/update on it now would skip the sync
+        return wrapped
 
 
 def ddp_no_sync(module: torch.nn.Module, ctx: Context) -> AbstractContextManager[Any]:

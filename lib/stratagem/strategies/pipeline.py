@@ -39,11 +39,20 @@ from stratagem.strategies.pipeline_step import (
     pipeline_update,
 )
 from stratagem.strategy import Strategy
-from stratagem.validators import choice, is_int, positive_int, require
+from stratagem.validators import choice, field, is_int, positive_int, require
 
 __all__ = ["JoinPipeline", "pipeline"]
 
 _SCHEDULE = choice("pipeline: '{name}'", tuple(SCHEDULES))
+MAX_MICROBATCHES = 2**16
+_POSITIVE = positive_int("pipeline: '{name}'")
+_AT_MOST = field(
+    lambda v: v <= MAX_MICROBATCHES,
+    "pipeline: '{name}'",
+    f"at most {MAX_MICROBATCHES}",
+    hint="; a batch splits into no more micro-batches than it has rows",
+)
+_MICROBATCHES = attrs.validators.and_(_POSITIVE, _AT_MOST)
 
 
 @attrs.frozen(kw_only=True)
@@ -60,7 +69,7 @@ class JoinPipeline:
     stages: int | None = attrs.field(
         default=None, validator=positive_int("JoinPipeline({name}=...)", optional="None")
     )
-    microbatches: int = attrs.field(default=1, validator=positive_int("pipeline: '{name}'"))
+    microbatches: int = attrs.field(default=1, validator=_MICROBATCHES)
     size: int | None = attrs.field(
         default=None, validator=positive_int("pipeline: '{name}'", optional="None (every rank)")
     )
@@ -181,7 +190,9 @@ def pipeline(
     """
     _SCHEDULE(None, attrs.fields(JoinPipeline).schedule, schedule)
     split = _check_split(stages, schedule)
+    # A schedule lists every micro-batch's actions at wrap: 10**6 took a minute, 10**30 forever.
     require(is_int(microbatches, 1), "pipeline: 'microbatches'", "a positive int", microbatches)
+    _MICROBATCHES(None, attrs.fields(JoinPipeline).microbatches, microbatches)
     require(size is None or is_int(size, 1), "pipeline: 'size'", "None or a positive int", size)
     wrap = PipelineWrap(split, schedule, microbatches)
     if size is not None and not callable(split):

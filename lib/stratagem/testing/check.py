@@ -19,7 +19,8 @@ from stratagem.fields import REDUCE_OPS, ReduceOp
 from stratagem.strategy import StrategyLike
 from stratagem.testing import laws
 from stratagem.testing.contract import Contract
-from stratagem.testing.laws.parallel import OptimizerFactory, adamw, sgd_momentum
+from stratagem.testing.laws._core import squares_mean
+from stratagem.testing.laws.parallel import Forward, OptimizerFactory, adamw, sgd_momentum
 from stratagem.testing.modules import default_modules, mlp
 from stratagem.testing.tolerances import compute_dtype
 from stratagem.testing.world import World
@@ -110,7 +111,8 @@ def check_all(
     world: World | None = None,
     module: torch.nn.Module | None = None,
     modules: Mapping[str, torch.nn.Module] | None = None,
-    batch: torch.Tensor | None = None,
+    batch: Any = None,
+    forward: Forward | None = None,
     optimizers: Sequence[OptimizerFactory] = (sgd_momentum, adamw),
     reference: StrategyLike | None = None,
     contract: Contract | None = None,
@@ -144,9 +146,16 @@ def check_all(
         world: a running `World` to reuse (fast across many calls).
         module: one module to train instead of the defaults.
         modules: modules to train by name instead of the defaults (`default_modules`).
-        batch: the input batch, length a multiple of the world size (default: 4 rows a rank,
-            or the least multiple of 4 that ``accumulate``'s k micro-batches divide).
-        optimizers: module-level factories ``parameters -> optimizer``, each used in turn.
+        batch: the input batch: a tensor, an ``(inputs, targets)`` tuple or a dict of
+            tensors, length a multiple of the world size (default: a tensor of 4 rows a
+            rank, or the least multiple of 4 that ``accumulate``'s k micro-batches divide).
+        forward: a module-level function ``(module, batch) -> loss``, a mean over
+            samples, given to ``step`` by every training law (default: the mean of
+            the squared outputs of a tensor batch). A batch that is not a tensor
+            needs one, and so does a ``pipeline(...)``, whose step computes the loss.
+        optimizers: module-level factories ``parameters -> optimizer``, each used in turn
+            by every law that compares training with a reference or across ranks
+            (``data-parallel-step``, ``accumulation``, ``ranks-in-sync``).
         reference: the one-process strategy the training laws compare with
             (derived from ``strategy`` when it is built from stratagem's parts).
         contract: what ``strategy`` promises (`Contract`): synchronisation
@@ -170,6 +179,7 @@ def check_all(
     terms = contract if contract is not None else Contract()
     if tolerance is not None:
         terms = attrs.evolve(terms, atol=tolerance)
+    loss = forward if forward is not None else squares_mean
     trained = dict(modules) if modules is not None else default_modules()
     if module is not None:
         trained = {"module": module}
@@ -200,31 +210,36 @@ def check_all(
         run("broadcast-from-every-source", laws.check_broadcast, strategy, values, world=running)
         first = next(iter(trained.values()))
         run("wrap-preserves", laws.check_wrap, strategy, first, data, world=running,
-            tolerance=terms.atol, rtol=terms.rtol)  # fmt: skip
-        training = {"world": running, "reference": reference, "contract": terms}
+            tolerance=terms.atol, rtol=terms.rtol, forward=forward)  # fmt: skip
+        training = {"world": running, "reference": reference, "contract": terms, "forward": loss}
         for model in trained.values():
             for optimizer in optimizers:
                 run("data-parallel-step", laws.check_data_parallel_step, strategy, model, data,
                     optimizer=optimizer, **training)  # fmt: skip
-            run("accumulation", laws.check_accumulation, strategy, model, data, **training)
+            for optimizer in optimizers:
+                run("accumulation", laws.check_accumulation, strategy, model, data,
+                    optimizer=optimizer, **training)  # fmt: skip
         if size > 1:
-            run("no-sync", laws.check_no_sync, strategy, first, data, world=running)
+            run("no-sync", laws.check_no_sync, strategy, first, data, world=running,
+                forward=loss)  # fmt: skip
             for model in trained.values():
-                run("ranks-in-sync", laws.check_ranks_in_sync, strategy, model, data,
-                    world=running, contract=terms)  # fmt: skip
-        run("purity", laws.check_purity, strategy, first, data, world=running)
+                for optimizer in optimizers:
+                    run("ranks-in-sync", laws.check_ranks_in_sync, strategy, model, data,
+                        world=running, contract=terms, optimizer=optimizer,
+                        forward=loss)  # fmt: skip
+        run("purity", laws.check_purity, strategy, first, data, world=running, forward=loss)
         precision = applied(strategy, PrecisionSetup)
         if precision is not None and precision.precision.endswith("-mixed"):
             dtype = torch.bfloat16 if precision.precision.startswith("bf16") else torch.float16
             run("step-autocast", laws.check_step_autocast, strategy, first, data, dtype,
-                world=running)  # fmt: skip
+                world=running, forward=forward)  # fmt: skip
         if compute_dtype(strategy) != torch.float32:
             run("precision-close-to-float32", laws.check_precision, strategy, first, data,
-                world=running, reference=reference, contract=terms)  # fmt: skip
+                world=running, reference=reference, contract=terms, forward=loss)  # fmt: skip
         for model in trained.values():
             run("checkpoint-round-trip", laws.check_checkpoint_round_trip, strategy, model, data,
                 world=running, portable_to=portable_to, directory=directory,
-                updates=terms.sync_every, contract=terms)  # fmt: skip
+                updates=terms.sync_every, contract=terms, forward=loss)  # fmt: skip
         run("checkpoint-strict", laws.check_checkpoint_strict, strategy, first, world=running,
             directory=directory)  # fmt: skip
         run("shard-partition", laws.check_shard_partition, strategy, world=running)

@@ -12,7 +12,7 @@ __all__ = ["Buffers", "Contract", "OptimizerState"]
 
 Buffers = Literal["broadcast", "per-rank"]
 _BUFFERS: tuple[str, ...] = get_args(Buffers)
-OptimizerState = Literal["replicated", "sharded"]
+OptimizerState = Literal["replicated", "sharded", "per-rank"]
 _OPTIMIZER_STATES: tuple[str, ...] = get_args(OptimizerState)
 
 
@@ -56,7 +56,12 @@ class Contract:
             state; ``"sharded"`` (ZeRO-1), each rank holds the state of some
             parameters: each rank's slots must equal the reference's, and
             together the ranks must hold every slot. Checkpoints then keep each
-            rank's optimizer state as its own.
+            rank's optimizer state as its own. ``"per-rank"`` (local SGD at
+            any ``sync_every``, 1 included): each rank steps its own optimizer
+            on its own gradients and the ranks average only their parameters;
+            the reference is then a replica per rank, on that rank's share,
+            and each rank's whole state (its optimizer's included) must equal
+            its replica's. ``sync_every > 1`` implies it.
         synced_init: the caller gives every rank the same module, so ``wrap``
             need not broadcast; the laws then start every rank from the same
             weights (by default rank ``r > 0`` starts from other weights, and
@@ -83,6 +88,11 @@ class Contract:
     rtol: float | None = attrs.field(default=None, validator=_TOLERANCE)
     atol: float | None = attrs.field(default=None, validator=_TOLERANCE)
     exact: bool = attrs.field(default=False, validator=_FLAG)
+
+    @property
+    def per_rank_optimizer(self) -> bool:
+        """Whether each rank keeps optimizer state of its own (``"per-rank"``, or local SGD)."""
+        return self.optimizer_state == "per-rank" or self.sync_every > 1
 
     def tolerances(self, derived: tuple[float, float] = (1e-4, 1e-5)) -> tuple[float, float]:
         """Return ``(rtol, atol)``: both 0 when ``exact``; else each as given, or ``derived``'s.

@@ -14,6 +14,12 @@ per-run state (``ctx.extras``: accumulation counters, scalers), so a law's
 verdict never depends on what ran before. A run with a different base leaves
 the old world (the old strategy's ``teardown``) and joins anew through a fresh
 rendezvous store.
+
+A run that raised is followed, before it is reported, by every rank leaving
+its world; a rank whose leaving fails (a background save still failing in
+the teardown, say), dies or hangs is replaced, with all the others, by fresh
+processes. A rank found dead before a run is replaced too. So the next run
+starts clean, and its verdict names only its own strategy.
 """
 
 from __future__ import annotations
@@ -191,6 +197,8 @@ class World:
         if not self._processes:
             raise UsageError("World.run: the world is not started; use it as a context manager.")
         payload = pack(fn, strategy, args)
+        if not all(process.is_alive() for process in self._processes):
+            self.restart()  # a rank died after the last run: this run must not be blamed
         port = self._join_port(strategy)
         for pipe in self._to_ranks:
             send(pipe, ("run", self._generation, port, payload))
@@ -244,10 +252,32 @@ class World:
                 ),
             )
         if errors:
-            # Ranks that raised left their setup's state unknown: join anew next time.
+            # Ranks that raised left their setup's state unknown: every rank leaves its world
+            # now, and a world that cannot be left is replaced, so the next run starts clean.
+            if not self._left():
+                self.restart()
             self._leave_store()
             raise errors[min(errors)]
         return [results[rank] for rank in range(self.world_size)]
+
+    def _left(self) -> bool:
+        """Ask every rank to leave its world; whether all did, cleanly, within the timeout."""
+        try:
+            for pipe in self._to_ranks:
+                send(pipe, ("leave",))
+        except OSError:
+            return False
+        deadline = time.monotonic() + self.timeout
+        for pipe in self._from_ranks:
+            if not pipe.poll(max(0.0, deadline - time.monotonic())):
+                return False
+            try:
+                reply = receive(pipe)
+            except (EOFError, OSError):
+                return False
+            if reply != ("left",):
+                return False
+        return True
 
 
 @attrs.frozen
@@ -268,6 +298,7 @@ def _rank_loop(rank: int, world_size: int, tasks: Connection, results: Connectio
     or hold a resource that the base's teardown does not release.
     """
     joined: tuple[int, StrategyLike, Context] | None = None
+    unclean: BaseException | None = None  # a teardown that raised after a failed run
 
     def leave() -> None:
         nonlocal joined
@@ -284,6 +315,16 @@ def _rank_loop(rank: int, world_size: int, tasks: Connection, results: Connectio
             message = receive(tasks)
             if message[0] == "stop":
                 break
+            if message[0] == "leave":  # after a failed run: leave, and say whether it went well
+                try:
+                    leave()
+                    if unclean is not None:
+                        raise unclean
+                    send(results, ("left",))
+                except BaseException as error:
+                    send_error(results, error)  # the parent replaces this process
+                    break
+                continue
             _, generation, port, payload = message
             try:
                 fn, strategy, args = pickle.loads(payload)
@@ -297,7 +338,10 @@ def _rank_loop(rank: int, world_size: int, tasks: Connection, results: Connectio
                 send(results, ("ok", result))
             except BaseException as error:  # everything goes back to the parent
                 send_error(results, error)
-                leave()
+                try:
+                    leave()  # at once: ranks waiting for this one in a collective see it go
+                except BaseException as failed:  # reported when the parent asks ("leave")
+                    unclean = failed
             finally:
                 result = None
     except EOFError:

@@ -17,12 +17,15 @@ from stratagem.trees import map_tensors
 __all__ = [
     "LawViolation",
     "full_parameters",
+    "holds_part",
+    "keyed_parameters",
     "max_difference",
     "on_device",
     "on_host",
     "own_share",
     "run_on",
     "same",
+    "share",
     "summarize",
     "within",
 ]
@@ -187,6 +190,33 @@ def own_share(batch: Any, ctx: Any) -> Any:
     """
     index, size = ctx.data_parallel
     return map_tensors(lambda t: t.chunk(size)[index].to(ctx.device), batch)
+
+
+def share(batch: Any, parts: int, index: int) -> Any:
+    """Return part ``index`` of ``parts`` equal contiguous parts of every tensor in ``batch``."""
+    return map_tensors(lambda t: t.chunk(parts)[index], batch)
+
+
+def holds_part(ctx: Any) -> bool:
+    """Whether this rank holds only part of the module's keys: a stage of a pipeline.
+
+    A pipeline's ``wrap`` keeps this rank's stages, under the unsplit module's
+    names; the laws then compare the keys it holds, and check that the ranks
+    of one pipeline together hold every key once.
+    """
+    mesh = getattr(ctx, "mesh", None)
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    return mesh is not None and "pp" in names and mesh["pp"].size() > 1
+
+
+def keyed_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of the plain module by name, gathered whole when sharded, on the CPU."""
+    out = {}
+    for name, parameter in unwrap(module).named_parameters():
+        data = parameter.detach()
+        gather = getattr(data, "full_tensor", None)
+        out[name] = (gather() if callable(gather) else data).cpu().clone()
+    return out
 
 
 def shares(batch: torch.Tensor, world_size: int) -> list[torch.Tensor]:

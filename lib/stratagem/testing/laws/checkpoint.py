@@ -6,7 +6,7 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -18,9 +18,10 @@ from stratagem.strategy import StrategyLike
 from stratagem.testing.contract import Contract
 from stratagem.testing.laws._core import (
     LawViolation,
-    first_mismatch,
     fresh_copy,
-    full_parameters,
+    holds_part,
+    keyed_parameters,
+    max_difference,
     own_share,
     run_on,
     squares_mean,
@@ -33,14 +34,17 @@ __all__ = ["check_checkpoint_round_trip", "check_checkpoint_strict"]
 
 _PLAIN_VALUES = {"step": 3, "note": "law"}
 
+Forward = Callable[[torch.nn.Module, Any], torch.Tensor]
+
 
 def _round_trip_rank(
     strategy: StrategyLike,
     ctx: Any,
     module: torch.nn.Module,
-    batch: torch.Tensor,
+    batch: Any,
     path: str,
     updates: int = 1,
+    forward: Forward = squares_mean,
 ) -> dict[str, Any]:
     model = strategy.wrap(fresh_copy(module), ctx)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # momentum: real state
@@ -48,7 +52,7 @@ def _round_trip_rank(
     # Whole windows of accumulate, and (a strategy that synchronises every k updates) k of them.
     window = ctx.extras.get("accumulation")
     for _ in range(updates * (window.every if isinstance(window, AccumulationState) else 1)):
-        strategy.backward(strategy.step(model, mine, ctx, forward=squares_mean), model, ctx)
+        strategy.backward(strategy.step(model, mine, ctx, forward=forward), model, ctx)
         strategy.update(optimizer, model, ctx)
     strategy.save(path, {"model": model, "optimizer": optimizer, **_PLAIN_VALUES}, ctx)
 
@@ -56,7 +60,8 @@ def _round_trip_rank(
     restored_optimizer = torch.optim.SGD(restored.parameters(), lr=0.1, momentum=0.9)
     values = strategy.load(path, {"model": restored, "optimizer": restored_optimizer}, ctx)
     return {
-        "saved": full_parameters(model),
+        "saved": keyed_parameters(model),
+        "part": holds_part(ctx),
         "state": snapshot(model, optimizer),
         "loaded_state": snapshot(restored, restored_optimizer),
         "values": values,
@@ -78,7 +83,7 @@ def _directory(directory: str | os.PathLike[str] | None) -> Iterator[str]:
 def check_checkpoint_round_trip(
     strategy: StrategyLike,
     module: torch.nn.Module,
-    batch: torch.Tensor,
+    batch: Any,
     *,
     portable_to: StrategyLike | None = None,
     directory: str | os.PathLike[str] | None = None,
@@ -86,6 +91,7 @@ def check_checkpoint_round_trip(
     world_size: int = 2,
     updates: int = 1,
     contract: Contract | None = None,
+    forward: Forward = squares_mean,
 ) -> None:
     """Law ``checkpoint-round-trip``: load after save restores the whole state, key by key.
 
@@ -110,6 +116,11 @@ def check_checkpoint_round_trip(
             updates is saved after k, when its ranks agree).
         contract: with ``optimizer_state="sharded"``, each rank's optimizer
             state must come back as that rank saved it.
+        forward: a module-level function ``(module, batch) -> loss`` (for an
+            ``(inputs, targets)`` batch, or a pipeline, which needs one).
+
+    A pipeline's stage holds the keys of its stages: each comes back as the
+    first rank holding it saved it.
 
     Raises:
         LawViolation: something saved did not come back as it was.
@@ -118,13 +129,19 @@ def check_checkpoint_round_trip(
     inputs = f"module={summarize(module)}, batch={summarize(batch)}"
     with _directory(directory) as root:
         path = os.path.join(root, "checkpoint")
-        results = run_on(world, size, _round_trip_rank, strategy, module, batch, path, updates)
+        results = run_on(
+            world, size, _round_trip_rank, strategy, module, batch, path, updates, forward
+        )
         # Every rank loads what the checkpoint holds: rank 0's copy of the replicated state
-        # (whole tensors, so shards compare alike), never a mixture of ranks.
+        # (whole tensors, so shards compare alike), never a mixture of ranks. A pipeline's
+        # stages hold parts: each key as the first rank that holds it saved it.
+        first_saved = _first_holder([r["state"] for r in results])
         promised = results[0]["state"]
         sharded = contract is not None and contract.optimizer_state == "sharded"
         for rank, result in enumerate(results):
             saved, loaded = result["state"], result["loaded_state"]
+            if result["part"]:
+                promised = {k: first_saved[k] for k in saved}
             if sharded:  # the module's state from rank 0, the optimizer's this rank's own
                 promised = {
                     **{k: v for k, v in results[0]["state"].items() if k.startswith("model.")},
@@ -156,7 +173,17 @@ def check_checkpoint_round_trip(
                     f"saved {_PLAIN_VALUES!r}",
                 )
         if portable_to is not None:
-            _check_portable(strategy, portable_to, module, path, results[0]["saved"], inputs)
+            saved_whole = _first_holder([r["saved"] for r in results])
+            _check_portable(strategy, portable_to, module, path, saved_whole, inputs)
+
+
+def _first_holder(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Every key of ``states``, each with the value of the first rank that holds it."""
+    merged: dict[str, torch.Tensor] = {}
+    for state in states:
+        for key, value in state.items():
+            merged.setdefault(key, value)
+    return merged
 
 
 def _check_portable(
@@ -164,7 +191,7 @@ def _check_portable(
     target: StrategyLike,
     module: torch.nn.Module,
     path: str,
-    saved: list[torch.Tensor],
+    saved: dict[str, torch.Tensor],
     inputs: str,
 ) -> None:
     ctx: Context = target.setup(Env())
@@ -172,16 +199,23 @@ def _check_portable(
         plain = target.wrap(fresh_copy(module), ctx)
         optimizer = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
         target.load(path, {"model": plain, "optimizer": optimizer}, ctx)
-        mismatch = first_mismatch(full_parameters(plain), saved, 0.0)
+        loaded = keyed_parameters(plain)
     finally:
         target.teardown(ctx)
-    if mismatch is not None:
+    for name in [*loaded, *saved]:
+        if name not in loaded or name not in saved:
+            found = (
+                f"parameter {name!r} is only in {'the saved' if name in saved else 'the loaded'}"
+            )
+        elif (difference := max_difference(loaded[name], saved[name])) > 0:
+            found = f"parameter {name!r} with a difference of {difference:g}"
+        else:
+            continue
         raise LawViolation(
             "checkpoint-portable",
             strategy,
             inputs,
-            f"{getattr(target, 'name', target)!r} loaded parameter {mismatch[0]} with a "
-            f"difference of {mismatch[1]:g}",
+            f"{getattr(target, 'name', target)!r} loaded {found}",
         )
 
 

@@ -27,13 +27,22 @@ import attrs
 import torch
 
 from stratagem.checkpoint import unwrap
-from stratagem.combinators._base import OptimizerHook
+from stratagem.combinators._base import OptimizerHook, peel
 from stratagem.combinators.accumulation import AccumulationState
 from stratagem.env import Env
 from stratagem.errors import UsageError, describe
+from stratagem.fields import BackwardInStep
 from stratagem.strategy import StrategyLike
 from stratagem.testing.contract import Contract
-from stratagem.testing.laws._core import LawViolation, own_share, run_on, squares_mean, summarize
+from stratagem.testing.laws._core import (
+    LawViolation,
+    holds_part,
+    own_share,
+    run_on,
+    share,
+    squares_mean,
+    summarize,
+)
 from stratagem.testing.laws.state import first_difference, hint, snapshot
 from stratagem.testing.reference import buffers_rule, undistributed
 from stratagem.testing.tolerances import law_tolerances
@@ -81,11 +90,6 @@ def _length(batch: Any) -> int:
             "pass a tensor, an (inputs, targets) tuple or a dict of tensors."
         )
     return lengths.pop()
-
-
-def share(batch: Any, parts: int, index: int) -> Any:
-    """Return part ``index`` of ``parts`` equal contiguous parts of every tensor in ``batch``."""
-    return map_tensors(lambda t: t.chunk(parts)[index], batch)
 
 
 def _joined(pieces: Sequence[Any]) -> Any:
@@ -154,6 +158,54 @@ def _micro_batches(ctx_extras: Any, plan: _Plan) -> int:
     return state.every if isinstance(state, AccumulationState) else 1
 
 
+@attrs.frozen
+class Divided:
+    """``forward``'s loss divided by ``parts``: a micro-batch's share, computed inside the step.
+
+    A strategy whose ``step`` runs the backward too (a pipeline's schedule) takes
+    no loss but the one ``step`` returned, so the division happens in the forward.
+    """
+
+    forward: Forward
+    parts: int
+
+    def __call__(self, module: torch.nn.Module, batch: Any) -> torch.Tensor:
+        return self.forward(module, batch) / self.parts
+
+
+def backward_in_step(strategy: StrategyLike) -> bool:
+    """Whether ``strategy``'s ``step`` already runs the backward (`BackwardInStep`: pipelines)."""
+    return isinstance(peel(strategy.backward)[1], BackwardInStep)
+
+
+def train_step(
+    strategy: StrategyLike,
+    ctx: Any,
+    model: torch.nn.Module,
+    pieces: Sequence[Any],
+    forward: Forward,
+) -> torch.Tensor:
+    """Step and backpropagate ``pieces``, each ``loss / k`` (no_sync on all but the last).
+
+    Returns the last piece's loss. A strategy whose ``step`` runs the backward
+    gets the division inside its forward (`Divided`).
+    """
+    k = len(pieces)
+    in_step = backward_in_step(strategy)
+    loss = torch.zeros(())
+    for index, piece in enumerate(pieces):
+        last = index == k - 1
+        with contextlib.nullcontext() if last else strategy.no_sync(model, ctx):
+            if in_step or k == 1:
+                divided = Divided(forward, k) if k > 1 else forward
+                loss = strategy.step(model, piece, ctx, forward=divided)
+                strategy.backward(loss, model, ctx)
+            else:
+                loss = strategy.step(model, piece, ctx, forward=forward)
+                strategy.backward(loss / k, model, ctx)
+    return loss
+
+
 def _train(
     strategy: StrategyLike,
     ctx: Any,
@@ -164,15 +216,13 @@ def _train(
     forward: Forward,
 ) -> None:
     """One optimizer step of the user's loop, over ``pieces`` (this step's micro-batches)."""
-    for index, piece in enumerate(pieces):
-        last = index == len(pieces) - 1
-        syncing = contextlib.nullcontext() if last or not plan.manual else None
-        with syncing if syncing is not None else strategy.no_sync(model, ctx):
-            loss = strategy.step(model, piece, ctx, forward=forward)
-            strategy.backward(loss / len(pieces) if plan.manual else loss, model, ctx)
-        if not plan.manual:
-            strategy.update(optimizer, model, ctx)
     if plan.manual:
+        train_step(strategy, ctx, model, pieces, forward)
+        strategy.update(optimizer, model, ctx)
+        return
+    for piece in pieces:
+        loss = strategy.step(model, piece, ctx, forward=forward)
+        strategy.backward(loss, model, ctx)
         strategy.update(optimizer, model, ctx)
 
 
@@ -184,7 +234,7 @@ def _rank_run(
     plan: _Plan,
     make_optimizer: OptimizerFactory,
     forward: Forward,
-) -> tuple[int, int | None, tuple[int, int], Snapshots, list[int]]:
+) -> tuple[int, int | None, tuple[int, int], Snapshots, list[int], bool]:
     start = perturbed(module, 0 if plan.synced_init else ctx.rank)
     model = strategy.wrap(start, ctx)
     optimizer = make_optimizer(model.parameters())
@@ -199,7 +249,7 @@ def _rank_run(
         skipped.append(_skipped(ctx))
     window = ctx.extras.get("accumulation")  # what accumulate resolved for this world
     every = window.every if isinstance(window, AccumulationState) else None
-    return micro, every, tuple(ctx.data_parallel), snapshots, skipped
+    return micro, every, tuple(ctx.data_parallel), snapshots, skipped, holds_part(ctx)
 
 
 def _skipped(ctx: Any) -> int:
@@ -418,14 +468,20 @@ def _judge(
     expected: list[Snapshots],
     contract: Contract,
     hint_for_law: str,
+    parts: list[tuple[bool, int]] | None = None,
 ) -> None:
     rtol, atol = contract.tolerances(law_tolerances(strategy, law))
     world_size = len(results)
     steps = len(expected[0])
     sharded = contract.optimizer_state == "sharded"
+    # (holds a part, data-parallel index) of every rank: a pipeline's stage holds the keys of
+    # its stages only; together, the ranks of one pipeline must hold every key.
+    parts = parts if parts is not None else [(False, 0)] * world_size
     for step in range(steps):
         if sharded:
             _check_coverage(law, strategy, inputs, results, expected, step)
+        if any(part for part, _ in parts):
+            _check_parts(law, strategy, inputs, results, expected, step, parts)
         for rank in range(world_size):
             keys = None
             if sharded:  # this rank's slots, and the module's state whole
@@ -433,6 +489,8 @@ def _judge(
                     k for k in expected[rank][step]
                     if not k.startswith("optimizer.") or k in results[rank][step]
                 )  # fmt: skip
+            if parts[rank][0]:  # this stage's keys; _check_parts saw that none is lost
+                keys = tuple(k for k in keys or expected[rank][step] if k in results[rank][step])
             difference = first_difference(
                 results[rank][step], expected[rank][step], rtol=rtol, atol=atol, keys=keys
             )
@@ -484,6 +542,39 @@ def _check_coverage(
         )
 
 
+def _check_parts(
+    law: str,
+    strategy: StrategyLike,
+    inputs: str,
+    results: list[Snapshots],
+    expected: list[Snapshots],
+    step: int,
+    parts: list[tuple[bool, int]],
+) -> None:
+    """Under a pipeline: the ranks of each pipeline hold every key of the reference, once."""
+    for group in sorted({index for _, index in parts}):
+        ranks = [rank for rank, (_, index) in enumerate(parts) if index == group]
+        held = [k for rank in ranks for k in results[rank][step]]
+        lost = [k for k in expected[ranks[0]][step] if k not in held]
+        twice = sorted({k for k in held if held.count(k) > 1})
+        extra = sorted({k for k in held if k not in expected[ranks[0]][step]})
+        if lost or twice or extra:
+            when = "after wrap" if step == 0 else f"after update {step}"
+            found = (
+                f"no rank holds {lost[:3]}" if lost
+                else f"{twice[:3]} are held by several stages" if twice
+                else f"{extra[:3]} are not in the reference"
+            )  # fmt: skip
+            raise LawViolation(
+                law,
+                strategy,
+                inputs,
+                f"{when}: among ranks {ranks} (one pipeline), {found}: together a pipeline's "
+                "stages must hold each key of the module once (a stage list that drops or "
+                "repeats a module gives this)",
+            )
+
+
 def _check(
     law: str,
     strategy: StrategyLike,
@@ -530,7 +621,7 @@ def _check(
     derived = _reference_for(strategy, reference, every)
     if adjust_reference is not None:
         derived = adjust_reference(derived)
-    if contract.sync_every > 1:
+    if contract.per_rank_optimizer:
         expected = _local_reference_run(
             derived, module, batch, parts, micro, plan, contract.sync_every, optimizer, forward,
             skips,
@@ -545,7 +636,8 @@ def _check(
     if skips:
         inputs += f", updates skipped by loss scaling on every rank={sorted(skips)}"
     results = [[_unpacked(state) for state in run[3]] for run in runs]
-    _judge(law, strategy, inputs, results, expected, contract, hint_for_law)
+    parts = [(run[5], run[2][0]) for run in runs]
+    _judge(law, strategy, inputs, results, expected, contract, hint_for_law, parts)
 
 
 def check_data_parallel_step(

@@ -3,7 +3,9 @@
 Each rank shards a DataLoader over a dataset whose samples are their own
 indices (a list: ``list(range(size))``), and reads several epochs. Per epoch
 the ranks' shares are disjoint, together they cover the dataset but for at
-most ``world_size - 1`` samples (the dropped tail, more with ``drop_last``),
+most ``world_size - 1`` samples (the dropped tail, more with ``drop_last``)
+or, as torch's ``DistributedSampler(drop_last=False)`` deals, cover all of it
+padded with at most ``world_size - 1`` repeats of the epoch's first samples,
 and every rank has the same number of batches; with shuffling the order
 changes from epoch to epoch; and a second run with the same seed deals
 exactly the same. The same holds for a DataLoader over a stream (an
@@ -213,6 +215,24 @@ def _one_per_group(
     return [chosen[index][1] for index in sorted(chosen)]
 
 
+def _torch_padding(shares: list[list[int]], size: int, left_out: int) -> bool:
+    """Whether the repeats in one epoch's ``shares`` are those of torch's ``DistributedSampler``.
+
+    With ``drop_last=False`` it deals the epoch's order, padded to a multiple of
+    the world size by repeating the order from its start, rank ``r`` taking
+    places ``r, r + world_size, ...``: every sample is dealt, the shares are
+    equal, and the ``total - size < world_size`` places past the order hold
+    its first samples again.
+    """
+    ranks = len(shares)
+    lengths = {len(mine) for mine in shares}
+    if left_out or len(lengths) != 1:
+        return False
+    order = [shares[r][i] for i in range(lengths.pop()) for r in range(ranks)]
+    padding = len(order) - size
+    return 0 < padding < ranks and all(order[size + j] == order[j % size] for j in range(padding))
+
+
 def _check_runs(
     runs: list[list[list[list[int]]]],
     tail: int,
@@ -234,15 +254,23 @@ def _check_runs(
                     "reading rank 0's share (a rank that is not used to pick it) gives this"
                 )
         seen: dict[int, int] = {}
+        repeated: list[tuple[int, int, int]] = []  # (sample, first rank, rank it went to again)
         for rank, rank_epochs in enumerate(first):
             for sample in rank_epochs[epoch]:
                 if sample in seen:
-                    raise broken(
-                        f"epoch {epoch}: sample {sample} went to rank {seen[sample]} and to rank "
-                        f"{rank}; shares must be disjoint (overlapping slices give this)"
-                    )
-                seen[sample] = rank
+                    repeated.append((sample, seen[sample], rank))
+                else:
+                    seen[sample] = rank
         left_out = size - len(seen)
+        if repeated and not _torch_padding([r[epoch] for r in first], size, left_out):
+            sample, earlier, rank = repeated[0]
+            raise broken(
+                f"epoch {epoch}: sample {sample} went to rank {earlier} and to rank {rank} "
+                f"({len(repeated)} repeated in all); shares must be disjoint but for torch's "
+                f"padding (DistributedSampler(drop_last=False): every sample dealt, then at "
+                f"most {ranks - 1} repeats of the epoch's first samples); overlapping slices "
+                "give this"
+            )
         if left_out > tail:
             raise broken(
                 f"epoch {epoch}: {left_out} of {size} samples went to no rank (at most {tail} "

@@ -13,8 +13,15 @@ import torch
 
 from stratagem.strategy import StrategyLike
 from stratagem.testing.contract import Contract
-from stratagem.testing.laws._core import LawViolation, own_share, run_on, squares_mean, summarize
-from stratagem.testing.laws.parallel import OptimizerFactory, perturbed, sgd_momentum
+from stratagem.testing.laws._core import (
+    LawViolation,
+    holds_part,
+    own_share,
+    run_on,
+    squares_mean,
+    summarize,
+)
+from stratagem.testing.laws.parallel import Forward, OptimizerFactory, perturbed, sgd_momentum
 from stratagem.testing.laws.state import first_difference, snapshot
 from stratagem.testing.tolerances import law_tolerances
 from stratagem.testing.world import World
@@ -30,17 +37,18 @@ def _states(
     updates: int,
     make_optimizer: OptimizerFactory,
     synced_init: bool,
-) -> list[dict[str, torch.Tensor]]:
+    forward: Forward = squares_mean,
+) -> tuple[list[dict[str, torch.Tensor]], bool]:
     model = strategy.wrap(perturbed(module, 0 if synced_init else ctx.rank), ctx)
     optimizer = make_optimizer(model.parameters())
     mine = own_share(batch, ctx)
     states = []
     for _ in range(updates):
-        loss = strategy.step(model, mine, ctx, forward=squares_mean)
+        loss = strategy.step(model, mine, ctx, forward=forward)
         strategy.backward(loss, model, ctx)
         strategy.update(optimizer, model, ctx)
         states.append(snapshot(model, optimizer))
-    return states
+    return states, holds_part(ctx)
 
 
 def check_ranks_in_sync(
@@ -52,13 +60,16 @@ def check_ranks_in_sync(
     world_size: int = 2,
     contract: Contract | None = None,
     optimizer: OptimizerFactory = sgd_momentum,
+    forward: Forward = squares_mean,
 ) -> None:
     """Law ``ranks-in-sync``: after every k-th update (``contract.sync_every``) ranks agree.
 
     Parameters and optimizer state must be equal on every rank within the
-    contract's tolerances (with ``sync_every > 1``, local SGD, the parameters
-    only: each rank keeps its own optimizer state). Buffers are left to
-    ``data-parallel-step``: even broadcast ones differ between two forwards.
+    contract's tolerances (with ``sync_every > 1`` or ``optimizer_state`` other
+    than ``"replicated"``, the parameters only: each rank keeps its own
+    optimizer state). Buffers are left to ``data-parallel-step``: even
+    broadcast ones differ between two forwards. A pipeline's stages compare
+    the keys they share (the same stage of another data-parallel replica).
 
     Raises:
         LawViolation: a rank's state differs from rank 0's at a synchronisation point.
@@ -66,25 +77,29 @@ def check_ranks_in_sync(
     terms = contract if contract is not None else Contract()
     size = world.world_size if world is not None else world_size
     updates = 2 * terms.sync_every
-    results = run_on(
-        world, size, _states, strategy, module, batch, updates, optimizer, terms.synced_init
-    )
+    runs = run_on(
+        world, size, _states, strategy, module, batch, updates, optimizer, terms.synced_init,
+        forward,
+    )  # fmt: skip
+    results = [states for states, _ in runs]
+    partial = any(part for _, part in runs)
     rtol, atol = terms.tolerances(law_tolerances(strategy, "ranks-in-sync"))
     inputs = f"module={summarize(module)}, batch={summarize(batch)}, updates={updates}"
     buffers = {f"model.{name}" for name, _ in module.named_buffers()}
     for index in range(terms.sync_every - 1, updates, terms.sync_every):
         reference = results[0][index]
-        # Local SGD (sync_every > 1) averages parameters; each rank's optimizer state is its own.
-        # Sharded optimizer state (ZeRO-1) is each rank's own too.
-        own_optimizer = terms.sync_every > 1 or terms.optimizer_state == "sharded"
+        # Local SGD averages parameters; each rank's optimizer state is its own. Sharded
+        # optimizer state (ZeRO-1) is each rank's own too.
+        own_optimizer = terms.per_rank_optimizer or terms.optimizer_state == "sharded"
         keys = tuple(
             k
             for k in reference
             if k not in buffers and (not own_optimizer or k.startswith("model."))
         )
         for rank in range(1, size):
+            held = keys if not partial else tuple(k for k in keys if k in results[rank][index])
             difference = first_difference(
-                results[rank][index], reference, rtol=rtol, atol=atol, keys=keys
+                results[rank][index], reference, rtol=rtol, atol=atol, keys=held
             )
             if difference is not None:
                 raise LawViolation(

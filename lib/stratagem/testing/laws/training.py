@@ -6,11 +6,11 @@ The laws that compare training with a reference (``data-parallel-step``,
 
 from __future__ import annotations
 
-import contextlib
 import pickle
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import torch
 
 from stratagem.checkpoint import unwrap
@@ -20,16 +20,21 @@ from stratagem.testing.laws._core import (
     first_mismatch,
     fresh_copy,
     full_parameters,
+    holds_part,
+    keyed_parameters,
     max_difference,
     on_device,
     own_share,
     run_on,
+    share,
     squares_mean,
     summarize,
     within,
 )
+from stratagem.testing.laws.parallel import train_step
 from stratagem.testing.tolerances import law_tolerances
 from stratagem.testing.world import World
+from stratagem.trees import tensors_in
 
 __all__ = [
     "check_no_sync",
@@ -45,7 +50,7 @@ def _train_rank(
     strategy: StrategyLike,
     ctx: Any,
     module: torch.nn.Module,
-    batch: torch.Tensor,
+    batch: Any,
     steps: int,
     lr: float,
     forward: Forward,
@@ -54,31 +59,27 @@ def _train_rank(
     model = strategy.wrap(fresh_copy(module), ctx)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     mine = own_share(batch, ctx)
-    pieces = mine.chunk(micro_batches)
+    pieces = [share(mine, micro_batches, i) for i in range(micro_batches)]
     for _ in range(steps):
-        for index, piece in enumerate(pieces):
-            last = index == len(pieces) - 1  # only the last micro-batch synchronises
-            with contextlib.nullcontext() if last else strategy.no_sync(model, ctx):
-                loss = strategy.step(model, piece, ctx, forward=forward)
-                strategy.backward(loss / len(pieces), model, ctx)
+        train_step(strategy, ctx, model, pieces, forward)  # only the last piece synchronises
         strategy.update(optimizer, model, ctx)
     return full_parameters(model)
 
 
-def _local_gradients(model: torch.nn.Module) -> list[torch.Tensor]:
-    grads = []
-    for parameter in unwrap(model).parameters():
+def _local_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    grads = {}
+    for name, parameter in unwrap(model).named_parameters():
         grad = parameter.grad
         if grad is None:
             continue
         local = getattr(grad, "to_local", None)  # sharded gradients: this rank's piece
-        grads.append((local() if callable(local) else grad).detach().clone())
+        grads[name] = (local() if callable(local) else grad).detach().clone()
     return grads
 
 
 def _no_sync_rank(
-    strategy: StrategyLike, ctx: Any, module: torch.nn.Module, batch: torch.Tensor, forward: Forward
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    strategy: StrategyLike, ctx: Any, module: torch.nn.Module, batch: Any, forward: Forward
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     model = strategy.wrap(fresh_copy(module), ctx)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     mine = own_share(batch, ctx)
@@ -87,13 +88,25 @@ def _no_sync_rank(
         inside = _local_gradients(model)
     strategy.backward(strategy.step(model, mine, ctx, forward=forward), model, ctx)
     strategy.update(optimizer, model, ctx)
-    return inside, full_parameters(model)
+    return inside, keyed_parameters(model)
+
+
+def _first_keyed_mismatch(
+    ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]
+) -> tuple[str, float] | None:
+    """Return the first key both hold whose values differ (pipeline stages hold different keys)."""
+    for key, value in ours.items():
+        if key in theirs:
+            difference = max_difference(value, theirs[key])
+            if not difference <= 0.0:
+                return key, difference
+    return None
 
 
 def check_no_sync(
     strategy: StrategyLike,
     module: torch.nn.Module,
-    batch: torch.Tensor,
+    batch: Any,
     *,
     world: World | None = None,
     world_size: int = 2,
@@ -113,8 +126,9 @@ def check_no_sync(
     inside = [grads for grads, _ in results]
     # Gradients may be invisible inside no_sync (FSDP keeps them unsharded until the next
     # synchronising backward); only visible ones can show that nothing was synchronised.
-    visible = bool(inside[0])
-    if size > 1 and visible and all(first_mismatch(inside[0], g, 0.0) is None for g in inside[1:]):
+    # Ranks compare the parameters both hold: a pipeline's stages hold different ones.
+    sharing = [g for g in inside[1:] if set(g) & set(inside[0])]
+    if sharing and all(_first_keyed_mismatch(inside[0], g) is None for g in sharing):
         raise LawViolation(
             "no-sync",
             strategy,
@@ -123,19 +137,19 @@ def check_no_sync(
         )
     after = [parameters for _, parameters in results]
     for rank in range(1, size):
-        mismatch = first_mismatch(after[rank], after[0], 0.0)
-        if mismatch is not None:
+        found = _first_keyed_mismatch(after[rank], after[0])
+        if found is not None:
             raise LawViolation(
                 "no-sync",
                 strategy,
                 inputs,
-                f"after the synchronising step and update, rank {rank}'s parameter {mismatch[0]} "
-                f"differs from rank 0's by {mismatch[1]:g}",
+                f"after the synchronising step and update, rank {rank}'s parameter {found[0]} "
+                f"differs from rank 0's by {found[1]:g}",
             )
 
 
 def _purity_rank(
-    strategy: StrategyLike, ctx: Any, module: torch.nn.Module, batch: torch.Tensor, forward: Forward
+    strategy: StrategyLike, ctx: Any, module: torch.nn.Module, batch: Any, forward: Forward
 ) -> tuple[bytes, bytes, list[torch.Tensor]]:
     before = pickle.dumps(strategy)
     trained = _train_rank(strategy, ctx, module, batch, 1, 0.1, forward, 1)
@@ -145,7 +159,7 @@ def _purity_rank(
 def check_purity(
     strategy: StrategyLike,
     module: torch.nn.Module,
-    batch: torch.Tensor,
+    batch: Any,
     *,
     world: World | None = None,
     world_size: int = 2,
@@ -181,31 +195,47 @@ def check_purity(
 
 
 def _wrap_rank(
-    strategy: StrategyLike, ctx: Any, module: torch.nn.Module, batch: torch.Tensor
-) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+    strategy: StrategyLike,
+    ctx: Any,
+    module: torch.nn.Module,
+    batch: Any,
+    forward: Forward | None = None,
+) -> tuple[list[str], torch.Tensor, torch.Tensor, bool, int]:
     # The plain module runs where the strategy trains, on the same data: a GPU strategy is
     # compared with the GPU's float32 arithmetic, not the CPU's.
     plain = fresh_copy(module).to(ctx.device)
     wrapped = strategy.wrap(fresh_copy(module), ctx)
     data = on_device(batch, ctx)
-    with torch.no_grad():
-        ours = strategy.step(wrapped, data, ctx)
-        theirs = plain(data)
+    if forward is None:
+        with torch.no_grad():
+            ours = strategy.step(wrapped, data, ctx)
+            theirs = plain(data)
+    else:  # the loss: a step that also backpropagates (a pipeline's) needs gradients on
+        ours = strategy.step(wrapped, data, ctx, forward=forward).detach()
+        theirs = forward(plain, data).detach()
     keys = list(unwrap(wrapped).state_dict().keys())
-    return keys, torch.as_tensor(ours).float(), theirs.float()
+    part = holds_part(ctx)
+    return keys, torch.as_tensor(ours).float(), theirs.float(), part, ctx.data_parallel[0]
 
 
 def check_wrap(
     strategy: StrategyLike,
     module: torch.nn.Module,
-    batch: torch.Tensor,
+    batch: Any,
     *,
     world: World | None = None,
     world_size: int = 2,
     tolerance: float | None = None,
     rtol: float | None = None,
+    forward: Forward | None = None,
 ) -> None:
     """Law ``wrap-preserves``: the wrapped module computes what the plain one does, same keys.
+
+    With ``forward`` (``(module, batch) -> loss``), ``step`` with it must return
+    the loss ``forward`` gives on the plain module (an ``(inputs, targets)``
+    batch, or a pipeline, whose step returns the loss). A pipeline's stage holds
+    the keys of its stages, in the plain module's order; together the ranks of
+    one pipeline hold every key once.
 
     Outputs agree when ``|ours - plain| <= tolerance + rtol * |plain|`` elementwise.
     Omitted, both are derived from the precision the strategy computes in
@@ -221,10 +251,10 @@ def check_wrap(
     size = world.world_size if world is not None else world_size
     inputs = f"module={summarize(module)}, batch={summarize(batch)}"
     expected_keys = list(module.state_dict().keys())
-    for rank, (keys, ours, theirs) in enumerate(
-        run_on(world, size, _wrap_rank, strategy, module, batch)
-    ):
-        if keys != expected_keys:
+    results = run_on(world, size, _wrap_rank, strategy, module, batch, forward)
+    _check_stage_keys(strategy, inputs, expected_keys, results)
+    for rank, (keys, ours, theirs, part, _) in enumerate(results):
+        if not part and keys != expected_keys:
             raise LawViolation(
                 "wrap-preserves",
                 strategy,
@@ -242,33 +272,85 @@ def check_wrap(
             )
 
 
+def _check_stage_keys(
+    strategy: StrategyLike, inputs: str, expected: list[str], results: list[Any]
+) -> None:
+    """Each pipeline stage's keys in the plain module's order; each pipeline's cover it once."""
+    groups: dict[int, list[int]] = {}
+    for rank, (keys, _, _, part, index) in enumerate(results):
+        if not part:
+            continue
+        groups.setdefault(index, []).append(rank)
+        if keys != [k for k in expected if k in keys] or not set(keys) <= set(expected):
+            raise LawViolation(
+                "wrap-preserves",
+                strategy,
+                inputs,
+                f"rank {rank}: its stage's state-dict keys {keys} are not keys of the plain "
+                f"module {expected} in its order",
+            )
+    for index, ranks in groups.items():
+        held = sorted(k for rank in ranks for k in results[rank][0])
+        if held != sorted(expected):
+            lost = [k for k in expected if k not in held]
+            raise LawViolation(
+                "wrap-preserves",
+                strategy,
+                inputs,
+                f"pipeline {index} (ranks {ranks}): its stages hold {held}, the plain module "
+                f"{sorted(expected)}"
+                + (f"; no stage holds {lost}" if lost else "")
+                + " (a stage list that drops or repeats a module gives this)",
+            )
+
+
+@attrs.frozen
+class _Recording:
+    """The forward ``step`` is given, recording the autocast state it runs under."""
+
+    seen: dict[str, Any]
+    forward: Forward | None
+
+    def __call__(self, inner: torch.nn.Module, data: Any) -> torch.Tensor:
+        device = next(iter(tensors_in(data))).device.type
+        self.seen["enabled"] = torch.is_autocast_enabled(device)
+        self.seen["dtype"] = str(torch.get_autocast_dtype(device))
+        if self.forward is None:
+            output: torch.Tensor = inner(data)
+            self.seen["output"] = str(output.dtype)
+            return output
+        loss = self.forward(inner, data)  # a loss's dtype is the user's: not checked
+        self.seen["output"] = self.seen["dtype"]
+        return loss
+
+
 def _autocast_rank(
-    strategy: StrategyLike, ctx: Any, module: torch.nn.Module, batch: torch.Tensor
+    strategy: StrategyLike,
+    ctx: Any,
+    module: torch.nn.Module,
+    batch: Any,
+    forward: Forward | None = None,
 ) -> tuple[bool, str, str]:
     model = strategy.wrap(fresh_copy(module), ctx)
     seen: dict[str, Any] = {}
-
-    def forward(inner: torch.nn.Module, data: torch.Tensor) -> torch.Tensor:
-        device = data.device.type
-        seen["enabled"] = torch.is_autocast_enabled(device)
-        seen["dtype"] = str(torch.get_autocast_dtype(device))
-        output: torch.Tensor = inner(data)
-        return output
-
-    output = strategy.step(model, own_share(batch, ctx), ctx, forward=forward)
-    return bool(seen["enabled"]), seen["dtype"], str(output.dtype)
+    strategy.step(model, own_share(batch, ctx), ctx, forward=_Recording(seen, forward))
+    return bool(seen["enabled"]), seen["dtype"], seen["output"]
 
 
 def check_step_autocast(
     strategy: StrategyLike,
     module: torch.nn.Module,
-    batch: torch.Tensor,
+    batch: Any,
     dtype: torch.dtype,
     *,
     world: World | None = None,
     world_size: int = 2,
+    forward: Forward | None = None,
 ) -> None:
     """Law ``step-autocast``: a mixed-precision strategy runs the user's forward under autocast.
+
+    With ``forward`` (``(module, batch) -> loss``, for an ``(inputs, targets)``
+    batch) the autocast state is read inside it; the loss's dtype is not checked.
 
     Raises:
         LawViolation: the forward ran without autocast, with another dtype, or
@@ -277,7 +359,7 @@ def check_step_autocast(
     size = world.world_size if world is not None else world_size
     inputs = f"module={summarize(module)}, batch={summarize(batch)}, dtype={dtype}"
     for rank, (enabled, seen, output) in enumerate(
-        run_on(world, size, _autocast_rank, strategy, module, batch)
+        run_on(world, size, _autocast_rank, strategy, module, batch, forward)
     ):
         if not enabled or seen != str(dtype) or output != str(dtype):
             raise LawViolation(

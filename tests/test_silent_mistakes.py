@@ -1,0 +1,202 @@
+"""Mistakes that used to pass in silence (issue 40): each is now an error at the first call.
+
+- an optimizer built over other parameters than the module's (checked once per pair);
+- ``step`` / ``update`` under ``ddp()`` on the module from before ``wrap`` (no sync: ranks drift);
+- ``reduce``, ``shard`` and ``save`` given a context from another world (one torn down).
+"""
+
+from __future__ import annotations
+
+import timeit
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import stratagem as sg
+from stratagem.collectives import STALE_CONTEXT
+from stratagem.strategies.ddp import UNWRAPPED_UNDER_DDP
+from stratagem.training import OPTIMIZER_NOT_FOR_MODULE
+
+
+def loss_of(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(batch).pow(2).mean()
+
+
+def train_step(strategy: sg.Strategy, model, optimizer, ctx) -> None:
+    loss = strategy.step(model, torch.ones(4, 3), ctx, forward=loss_of)
+    strategy.backward(loss, model, ctx)
+    strategy.update(optimizer, model, ctx)
+
+
+# ------------------------------------------------------------ the optimizer of another module
+
+
+@pytest.fixture
+def single() -> Iterator[tuple[sg.Strategy, sg.Context]]:
+    strategy = sg.single_device("cpu")
+    ctx = strategy.setup(sg.Env())
+    yield strategy, ctx
+    strategy.teardown(ctx)
+
+
+def test_update_refuses_an_optimizer_over_another_modules_parameters(single) -> None:
+    strategy, ctx = single
+    model = strategy.wrap(torch.nn.Linear(3, 2), ctx)
+    other = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(other.parameters(), lr=0.1)
+    before = model.weight.detach().clone()
+    loss = strategy.step(model, torch.ones(4, 3), ctx, forward=loss_of)
+    strategy.backward(loss, model, ctx)
+    with pytest.raises(sg.UsageError) as caught:
+        strategy.update(optimizer, model, ctx)
+    assert str(caught.value) == OPTIMIZER_NOT_FOR_MODULE.format(
+        function="update", module="Linear", count=2
+    )
+    assert torch.equal(model.weight, before)
+
+
+def test_update_accepts_a_frozen_part_param_groups_and_extra_parameters(single) -> None:
+    strategy, ctx = single
+    model = strategy.wrap(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2)), ctx)
+    model[0].requires_grad_(False)  # fine-tuning the head only
+    head_only = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    train_step(strategy, model, head_only, ctx)
+    scale = torch.nn.Parameter(torch.ones(()))  # a learnable loss parameter beside the module
+    groups = [{"params": [model[1].weight]}, {"params": [model[1].bias, scale], "lr": 0.01}]
+    train_step(strategy, model, torch.optim.AdamW(groups, lr=0.1), ctx)
+
+
+def test_the_verdict_is_cached_per_pair_and_a_new_pair_is_checked(single) -> None:
+    strategy, ctx = single
+    model = strategy.wrap(torch.nn.Linear(3, 2), ctx)
+    good = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_step(strategy, model, good, ctx)
+    other = strategy.wrap(torch.nn.Linear(3, 2), ctx)
+    with pytest.raises(sg.UsageError, match="holds none of the parameters of the Linear"):
+        train_step(strategy, other, good, ctx)  # the same optimizer, another module
+    train_step(strategy, model, good, ctx)
+
+
+def test_the_check_costs_well_under_a_microsecond_once_cached(single) -> None:
+    strategy, ctx = single
+    model = strategy.wrap(torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(50)]), ctx)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    from stratagem.training import check_optimizer_holds
+
+    check_optimizer_holds(optimizer, model, "update")
+    seconds = min(
+        timeit.repeat(lambda: check_optimizer_holds(optimizer, model, "update"), number=2000)
+    )
+    assert seconds / 2000 < 1e-6, seconds / 2000  # independent of the 100 parameters
+
+
+def test_fsdp_update_refuses_an_optimizer_of_another_sharded_module() -> None:
+    strategy = sg.fsdp(device="cpu")
+    ctx = strategy.setup(sg.Env())
+    try:
+        model = strategy.wrap(torch.nn.Sequential(torch.nn.Linear(3, 2)), ctx)
+        other = strategy.wrap(torch.nn.Sequential(torch.nn.Linear(3, 2)), ctx)
+        optimizer = torch.optim.SGD(other.parameters(), lr=0.1)  # DTensors, of the other one
+        with pytest.raises(sg.UsageError, match="holds none of the parameters of the FSDPSeq"):
+            train_step(strategy, model, optimizer, ctx)
+        train_step(strategy, model, torch.optim.SGD(model.parameters(), lr=0.1), ctx)
+    finally:
+        strategy.teardown(ctx)
+
+
+# ------------------------------------------------------------ the unwrapped module under ddp()
+
+
+@pytest.fixture
+def ddp_world() -> Iterator[tuple[sg.Strategy, sg.Context]]:
+    strategy = sg.ddp(device="cpu")
+    ctx = strategy.setup(sg.Env())  # a world of one in this process: a real gloo group
+    yield strategy, ctx
+    strategy.teardown(ctx)
+
+
+def test_ddp_step_refuses_the_module_from_before_wrap(ddp_world) -> None:
+    strategy, ctx = ddp_world
+    model = torch.nn.Linear(3, 2)
+    wrapped = strategy.wrap(model, ctx)
+    with pytest.raises(sg.UsageError) as caught:
+        strategy.step(model, torch.ones(4, 3), ctx, forward=loss_of)
+    assert str(caught.value) == UNWRAPPED_UNDER_DDP.format(function="step", module="Linear")
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    loss = strategy.step(wrapped, torch.ones(4, 3), ctx, forward=loss_of)
+    strategy.backward(loss, wrapped, ctx)
+    with pytest.raises(sg.UsageError, match=r"^update: 'module' is the Linear from before wrap"):
+        strategy.update(optimizer, model, ctx)
+    strategy.update(optimizer, wrapped, ctx)
+    with torch.no_grad():  # evaluation through the inner module synchronises nothing: allowed
+        strategy.step(model, torch.ones(4, 3), ctx, forward=loss_of)
+
+
+def test_ddp_step_accepts_the_wrapped_module_under_combinators(ddp_world) -> None:
+    _, ctx = ddp_world
+    strategy = sg.with_precision(sg.with_clipping(sg.ddp(device="cpu"), max_norm=1.0), "bf16-mixed")
+    model = strategy.wrap(torch.nn.Linear(3, 2), ctx)
+    train_step(strategy, model, torch.optim.SGD(model.parameters(), lr=0.1), ctx)
+
+
+# ------------------------------------------------------------ a context from another world
+
+
+def test_reduce_shard_and_save_refuse_a_context_of_a_world_torn_down(tmp_path: Path) -> None:
+    strategy = sg.ddp(device="cpu")
+    old = strategy.setup(sg.Env())
+    strategy.teardown(old)
+    new = strategy.setup(sg.Env())
+    try:
+        message = STALE_CONTEXT.format(function="reduce")
+        with pytest.raises(sg.UsageError) as caught:
+            strategy.reduce(torch.ones(2), "sum", old)
+        assert str(caught.value) == message
+        loader = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2)
+        with pytest.raises(sg.UsageError, match=r"^shard: 'ctx' belongs to a world"):
+            strategy.shard(loader, old)
+        with pytest.raises(sg.UsageError, match=r"^save: 'ctx' belongs to a world"):
+            strategy.save(tmp_path / "c", {"x": torch.ones(2)}, old)
+        with pytest.raises(sg.UsageError, match=r"^load: 'ctx' belongs to a world"):
+            strategy.load(tmp_path / "c", {"x": torch.ones(2)}, old)
+        assert list(tmp_path.iterdir()) == []
+        assert torch.equal(strategy.reduce(torch.ones(2), "sum", new), torch.ones(2))
+        assert len(list(strategy.shard(loader, new))) == 4
+    finally:
+        strategy.teardown(new)
+    with pytest.raises(sg.UsageError, match=r"^reduce: 'ctx' belongs to a world"):
+        strategy.reduce(torch.ones(2), "sum", new)  # torn down, no world at all now
+
+
+def test_a_context_of_one_without_a_group_still_works_in_a_world(ddp_world) -> None:
+    # The kit's single_device() reference runs on each rank of a world: no group, no check.
+    single = sg.single_device("cpu")
+    ctx = single.setup(sg.Env())
+    assert torch.equal(single.reduce(torch.ones(2), "sum", ctx), torch.ones(2))
+
+
+def stale_reduce(strategy: sg.Strategy, ctx: sg.Context, port: int) -> str:
+    import attrs
+
+    strategy.teardown(ctx)
+    # The launcher's store served the first world; rank 0 hosts the second one's.
+    new = strategy.setup(attrs.evolve(ctx.env, master_port=port, agent_store=False))
+    try:
+        strategy.reduce(torch.ones(1), "sum", ctx)
+    except sg.UsageError as error:
+        return str(error)
+    finally:
+        strategy.teardown(new)
+    return "accepted"
+
+
+@pytest.mark.slow
+def test_two_ranks_refuse_a_context_of_their_earlier_world() -> None:
+    from helpers import free_port
+
+    strategy = sg.ddp_spawn(device="cpu", join_timeout=20)
+    results = sg.launch(stale_reduce, strategy, devices=2, args=(free_port(),))
+    assert results == [STALE_CONTEXT.format(function="reduce")] * 2
