@@ -162,6 +162,8 @@ def test_the_demo_spawns_as_the_library_places_ranks():
 
 def test_devices_a_scheduler_bound_to_each_task_are_used_not_left_for_the_cpu():
     # SLURM's --gpus-per-task=1: each of 4 tasks on a node sees one GPU, its own.
-    assert resolve_device("auto", 3, 4, cuda_devices=1, bound_per_task=True) == torch.device("cuda", 0)
+    assert resolve_device("auto", 3, 4, cuda_devices=1, bound_per_task=True) == torch.device(
+        "cuda", 0
+    )
     assert resolve_device("auto", 3, 4, cuda_devices=1) == torch.device("cpu")
     assert resolve_device("auto", 0, 1, cuda_devices=0, bound_per_task=True) == torch.device("cpu")
