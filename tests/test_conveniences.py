@@ -9,23 +9,12 @@ import pytest
 import torch
 
 import stratagem as sg
-
-
-def context(rank: int, world_size: int = 2) -> sg.Context:
-    env = sg.Env(
-        rank=rank,
-        local_rank=rank,
-        world_size=world_size,
-        local_world_size=world_size,
-        source="torchrun",
-        master_port=29500,
-    )
-    return sg.Context(env=env, device="cpu")
+from helpers import rank_ctx
 
 
 def test_ctx_print_prints_on_the_main_rank_only(capsys):
-    context(0).print("loss", 0.5, sep="=")
-    context(1).print("loss", 0.25)
+    rank_ctx(0, 2).print("loss", 0.5, sep="=")
+    rank_ctx(1, 2).print("loss", 0.25)
     assert capsys.readouterr().out == "loss=0.5\n"
 
 
@@ -43,11 +32,11 @@ def test_seed_everything_seeds_python_numpy_and_torch():
 
 
 def test_per_rank_seeds_add_the_rank():
-    assert sg.seed_everything(10, context(1), per_rank=True) == 11
+    assert sg.seed_everything(10, rank_ctx(1, 2), per_rank=True) == 11
     on_rank_one = draws()
     sg.seed_everything(11)
     assert draws() == on_rank_one
-    assert sg.seed_everything(10, context(1)) == 10  # the same seed everywhere by default
+    assert sg.seed_everything(10, rank_ctx(1, 2)) == 10  # the same seed everywhere by default
 
 
 @pytest.mark.parametrize(

@@ -171,6 +171,12 @@ def settle() -> None:
             save._finished.wait(DEFAULT_WAIT)  # noqa: SLF001
 
 
+# A script that ends right after save returns, with no teardown, would stop the writing
+# thread mid-save (a daemon): the interpreter's exit waits for the commit instead (a no-op
+# with nothing in flight).
+atexit.register(settle)
+
+
 def _leave() -> None:
     try:
         settle()
@@ -240,17 +246,4 @@ def start(
     threading.Thread(target=finish, name="stratagem-save", daemon=True).start()
     _in_flight.append(handle)
     pending.at_teardown(_leave)
-    _settle_at_exit()
     return handle
-
-
-def _settle_at_exit() -> None:
-    # A script that ends right after save returns, with no teardown, would stop the writing
-    # thread mid-save (a daemon): the interpreter's exit waits for the commit instead.
-    global _exit_registered
-    if not _exit_registered:
-        atexit.register(settle)
-        _exit_registered = True
-
-
-_exit_registered = False

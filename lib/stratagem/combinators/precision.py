@@ -207,11 +207,10 @@ def _all_finite(grads: list[torch.Tensor], ctx: Context) -> bool:
     agree in one small reduction, as ``ShardedGradScaler`` does: one rank
     skipping a step the others take would leave the shards at different steps.
     """
-    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    sharded = any(hasattr(g, "to_local") for g in grads)
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads] if sharded else grads
     finite = not local or bool(torch.stack([g.isfinite().all() for g in local]).all())
-    if not any(hasattr(g, "to_local") for g in grads):
-        return finite
-    if not collectives.is_distributed(ctx):
+    if not sharded or not collectives.is_distributed(ctx):
         return finite
     flag = torch.tensor([0.0 if finite else 1.0], device=local[0].device if local else ctx.device)
     return collectives.reduce(flag, "max", ctx).item() == 0.0
