@@ -19,7 +19,7 @@ import itertools
 
 import pytest
 import torch
-from tests.helpers import rank_ctx
+from helpers import rank_ctx
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
 import stratagem as sg
