@@ -205,3 +205,15 @@ def test_the_scan_would_catch_a_strategy_left_on_auto():
         "g = sg.dp()\n"
     )
     assert factory_calls_without_a_device(source) == [3, 4, 5]
+
+
+def test_tests_import_their_helpers_as_ci_runs_them():
+    # CI runs plain `pytest`, whose rootdir-relative imports know `helpers`, not a `tests`
+    # package: `from tests.helpers import ...` passed under `python -m pytest` and failed CI.
+    offenders = [
+        f"{path.name}:{node.lineno}"
+        for path in sorted(TESTS.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "tests"
+    ]
+    assert offenders == []
