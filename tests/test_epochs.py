@@ -19,10 +19,10 @@ import itertools
 
 import pytest
 import torch
-from helpers import rank_ctx
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
 import stratagem as sg
+from helpers import rank_ctx
 from stratagem.sharding import shard_loader
 
 SIZE, BATCH, EPOCHS = 50, 4, 5
