@@ -1,6 +1,7 @@
 """Tasks: tests, lint, typecheck, demo, bench, bench_peers, readme, docs, gpu.
 
-Every session that installs torch pins it to the CPU wheel (see `install`).
+Every session that installs torch pins it to 2.13.0 (see `install`); which build that is (CPU,
+or CUDA with its NVIDIA libraries) is the package index's choice, see README.md.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ PYTHON = None
 
 
 def install(session: nox.Session, *extra: str) -> None:
-    # torch first and alone, pinned, so that nothing resolves it to a CUDA build.
+    # torch first and alone, pinned, so that nothing else moves its version. The build is the
+    # index's: PyPI serves CUDA builds on Linux x86-64; PIP_EXTRA_INDEX_URL pointing at
+    # https://download.pytorch.org/whl/cpu makes it 2.13.0+cpu (a local version sorts higher).
     session.install("torch==2.13.0", "numpy", *CONSTRAINTS)
     session.install("-e", f".[{','.join(extra)}]" if extra else ".", *CONSTRAINTS)
 
@@ -37,7 +40,8 @@ def install(session: nox.Session, *extra: str) -> None:
 def tests(session: nox.Session) -> None:
     # demo: the CLI tests train on scikit-learn's digits; ray: the Ray launch field's tests
     install(session, "testing", "demo", "ray")
-    session.run("pytest", *session.posargs)
+    # The 20 slowest tests close every run; a later --durations=N among the posargs wins.
+    session.run("pytest", "--durations=20", *session.posargs)
 
 
 @nox.session(python=PYTHON)

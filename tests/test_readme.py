@@ -46,3 +46,15 @@ def test_the_sessions_they_run_exist_in_the_noxfile():
 def test_the_session_finder_sees_decorated_functions_only():
     source = "import nox\n@nox.session\ndef a(s): ...\n@nox.session(python='3.11')\ndef b(s): ...\ndef c(s): ...\n"
     assert nox_sessions(source) == {"a", "b"}
+
+
+def test_the_tests_session_prints_the_slowest_tests_and_keeps_posargs_last():
+    tree = ast.parse((ROOT / "noxfile.py").read_text())
+    [tests] = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "tests"]
+    runs = [
+        ast.unparse(n)
+        for n in ast.walk(tests)
+        if isinstance(n, ast.Call) and ast.unparse(n.func) == "session.run"
+    ]
+    # Last, so that `nox -s tests -- --durations=0` (every test) or `-m "not slow"` applies.
+    assert runs == ["session.run('pytest', '--durations=20', *session.posargs)"]

@@ -1,4 +1,4 @@
-"""The ``stratagem`` command line: ``demo``, ``env``, ``checkpoint``.
+"""The ``stratagem`` command line: ``demo``, ``env``, ``checkpoint``, and ``--version``.
 
 A mistake on the command line is one line on stderr and exit code 2; Ctrl-C
 stops every rank (the spawn launcher terminates them) and exits with 130.
@@ -7,6 +7,7 @@ stops every rank (the spawn launcher terminates them) and exits with 130.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
@@ -48,6 +49,14 @@ def _fail(prog: str) -> Callable[[str], NoReturn]:
     return error
 
 
+def version() -> str:
+    """Return the installed stratagem's version (its distribution's metadata)."""
+    try:
+        return importlib.metadata.version("stratagem")
+    except importlib.metadata.PackageNotFoundError:  # imported from a tree, not installed
+        return "unknown (not installed; pip install -e . gives it a version)"
+
+
 def parser() -> argparse.ArgumentParser:
     """Build the argument parser; every parser's errors become one line (see `main`)."""
     root = argparse.ArgumentParser(
@@ -55,6 +64,7 @@ def parser() -> argparse.ArgumentParser:
     )
     # An instance attribute, as argparse offers no hook: its own error() prints usage and exits.
     root.error = _fail(root.prog)  # type: ignore[method-assign, assignment]
+    root.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     commands = root.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (configure, _, summary) in _COMMANDS.items():
         sub = commands.add_parser(name, help=summary, description=summary)
