@@ -14,14 +14,14 @@ import os
 import secrets
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
 
 import attrs
 import torch
 import torch.distributed as dist
 
 from stratagem import collectives
-from stratagem.checkpoint import background, directory
+from stratagem.checkpoint import background, directory, undo
 from stratagem.checkpoint.background import PendingSave
 from stratagem.checkpoint.directory import Found, decode, read_metadata, unreadable
 from stratagem.checkpoint.entries import (
@@ -599,19 +599,35 @@ def _load(
                 * bool(stranded)
             ),
         )
+    kept = undo.keep(entries, templates, objects)  # put back if a live object refuses its state
+    failure: CheckpointError | None = None
     if templates:
         try:
             dcp_files.read(found, metadata, templates, ctx, partial=not strict)
-        except CheckpointError as error:
-            raise CheckpointError(
-                f"{error} Tensors are read into the live objects: those in 'state' may be "
-                "partly loaded; load again or rebuild them."
-            ) from None
+        except CheckpointError as error:  # DCP raises it on every rank
+            _put_back(kept, error)
     _retie(entries, templates, ties)
-    _apply(entries, templates, objects, strict, flat)
+    try:
+        _apply(entries, templates, objects, strict, flat)
+    except CheckpointError as error:  # this rank's alone: every rank must hear of it
+        failure = error
+    try:
+        agree(ctx, failure)
+    except CheckpointError as error:
+        _put_back(kept, error)
     if rng_saved is not None:
         restore_rng(rng_saved, ctx.device)
     return values
+
+
+def _put_back(kept: undo.Kept, error: CheckpointError) -> NoReturn:
+    """Restore the live objects as they were before the load, and raise ``error`` saying so."""
+    refused = undo.put_back(kept)
+    told = "Every object in 'state' was left as it was."
+    if refused:
+        names = ", ".join(map(repr, refused))
+        told = f"The others were left as they were; {names} refused its old state too: rebuild it."
+    raise CheckpointError(f"{str(error).rstrip('.')}. {told}") from None
 
 
 def tried_rng(state: Any, device: torch.device, rank: int) -> None:
@@ -709,29 +725,48 @@ def _apply(
     strict: bool,
     flat: frozenset[str],
 ) -> None:
+    """Hand each entry its state; raise naming the first entry whose object refuses it."""
+    for entry in entries:
+        try:
+            _apply_one(entry, templates, objects, strict, flat)
+        except Exception as error:  # whatever the object's own load_state_dict raises
+            first = (str(error).strip().splitlines() or [""])[0]
+            raise CheckpointError(
+                f"load: {entry.name!r} refused its saved state ({type(error).__name__}: "
+                f"{first}). Build {entry.name!r} as it was when saved, or leave it out of "
+                "'state' and pass strict=False to load the rest."
+            ) from None
+
+
+def _apply_one(
+    entry: Entry,
+    templates: dict[str, Any],
+    objects: dict[str, Any],
+    strict: bool,
+    flat: frozenset[str],
+) -> None:
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
-    for entry in entries:
-        if entry.name in templates and entry.kind == "module":
-            set_model_state_dict(
-                entry.target, templates[entry.name], options=StateDictOptions(strict=strict)
-            )
-        elif entry.name in templates and entry.kind == "optimizer":
-            owner = cast(torch.nn.Module, entry.owner)  # classify found it for every optimizer
-            if entry.name in flat:
-                options = StateDictOptions(flatten_optimizer_state_dict=True)
-                with _without_grads(entry.target):
-                    set_optimizer_state_dict(
-                        owner, entry.target, templates[entry.name], options=options
-                    )
-            else:
-                set_optimizer_state_dict(owner, entry.target, templates[entry.name])
-        elif entry.name in objects:  # an object's state, replicated or this rank's
-            entry.target.load_state_dict(objects[entry.name])
+    if entry.name in templates and entry.kind == "module":
+        set_model_state_dict(
+            entry.target, templates[entry.name], options=StateDictOptions(strict=strict)
+        )
+    elif entry.name in templates and entry.kind == "optimizer":
+        owner = cast(torch.nn.Module, entry.owner)  # classify found it for every optimizer
+        if entry.name in flat:
+            options = StateDictOptions(flatten_optimizer_state_dict=True)
+            with _without_grads(entry.target):
+                set_optimizer_state_dict(
+                    owner, entry.target, templates[entry.name], options=options
+                )
+        else:
+            set_optimizer_state_dict(owner, entry.target, templates[entry.name])
+    elif entry.name in objects:  # an object's state, replicated or this rank's
+        entry.target.load_state_dict(objects[entry.name])
 
 
 @contextlib.contextmanager
