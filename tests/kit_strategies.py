@@ -7,6 +7,10 @@ records to its ranks. `CORRECT` holds the honest versions, each with the contrac
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
+from copy import deepcopy
 from pathlib import Path
 
 import attrs
@@ -80,6 +84,7 @@ class LocalUpdate:
     divide: bool = True  # bug switch: a sum where the mean belongs
     all_ranks: bool = True  # bug switch: only rank 0 takes the average
     never: bool = False  # bug switch: never averages
+    buffers: bool = False  # average floating-point buffers (BatchNorm's) with the parameters
 
     def __call__(self, optimizer, module, ctx):
         optimizer.step()
@@ -96,6 +101,10 @@ class LocalUpdate:
                     total /= ctx.world_size
                 if self.all_ranks or ctx.rank == 0:
                     parameter.copy_(total)
+            for buffer in module.buffers() if self.buffers else ():
+                if buffer.is_floating_point():
+                    dist.all_reduce(buffer, group=ctx.group)
+                    buffer /= ctx.world_size
 
 
 def local_sgd(every=4, **bugs):
@@ -373,10 +382,10 @@ class TorchSave:
                 plain = sg.unwrap(value)
                 params = {n: p.detach().clone() for n, p in plain.named_parameters()}
                 blob[name] = plain.state_dict() if self.buffers else params
-            elif isinstance(value, torch.optim.Optimizer):
-                blob[name] = value.state_dict()
             elif isinstance(value, sg.checkpoint.PerRank):
                 blob["per_rank"][name] = value.value
+            elif hasattr(value, "state_dict"):  # an optimizer, an LR scheduler
+                blob[name] = value.state_dict()
             elif self.values:
                 blob["values"][name] = value
         gathered = [None] * ctx.world_size
@@ -399,7 +408,7 @@ class TorchLoad:
         for name, value in state.items():
             if isinstance(value, torch.nn.Module):
                 sg.unwrap(value).load_state_dict(blob[name], strict=self.strict)
-            elif isinstance(value, torch.optim.Optimizer):
+            elif hasattr(value, "load_state_dict"):
                 value.load_state_dict(blob[name])
         return {**blob["values"], **blob["per_rank"][ctx.rank]}
 
@@ -495,3 +504,272 @@ SHARDED = Contract(optimizer_state="sharded", buffers="per-rank")
 CORRECT["zero1"] = (zero1(), SHARDED, None)
 CORRECT["custom-shard"] = (custom_shard(), Contract(), None)
 CORRECT["torch-save-checkpoints"] = (torch_checkpoints(), Contract(), None)
+
+
+# --- saves in the background by hand, and resumes ------------------------------------------
+
+
+@attrs.define
+class InFlight:
+    """Per-run state: this rank's save in flight (a thread of ours, or a PendingSave)."""
+
+    save: object = None
+
+    def wait(self):
+        if isinstance(self.save, threading.Thread):
+            self.save.join()
+        elif self.save is not None:
+            self.save.wait()
+
+    def done(self):
+        if isinstance(self.save, threading.Thread):
+            return not self.save.is_alive()
+        return self.save is None or self.save.done()
+
+
+@attrs.frozen
+class InFlightSetup:
+    """Setup: join, then keep an `InFlight` in ctx.extras (a layer: fresh per run)."""
+
+    inner: object
+
+    def __call__(self, env):
+        return self.inner(env).with_extras(in_flight=InFlight())
+
+
+def _blob(state, copy):
+    """What a save writes: state dicts of objects (cloned unless the bug), values, per-rank."""
+    blob = {"values": {}, "objects": {}, "per_rank": {}}
+    for name, value in state.items():
+        if isinstance(value, sg.checkpoint.PerRank):
+            blob["per_rank"][name] = value.value
+        elif hasattr(value, "state_dict"):
+            held = (sg.unwrap(value) if isinstance(value, torch.nn.Module) else value).state_dict()
+            blob["objects"][name] = deepcopy(held) if copy else held
+        else:
+            blob["values"][name] = value
+    return blob
+
+
+@attrs.frozen
+class ThreadSave:
+    """Save: hand the state to a writer thread and return (bug switch: live tensors handed)."""
+
+    copy: bool = True
+    latency: float = 0.2  # a real filesystem's: the loop trains on meanwhile
+
+    def __call__(self, path, state, ctx):
+        in_flight = ctx.extras["in_flight"]
+        in_flight.wait()  # one save at a time
+        blob = _blob(state, self.copy)
+        Path(path).mkdir(parents=True, exist_ok=True)
+
+        def write():
+            time.sleep(self.latency)
+            torch.save(blob["per_rank"], f"{path}/rank-{ctx.rank}.pt")
+            if ctx.rank == 0:
+                torch.save(
+                    {"values": blob["values"], "objects": blob["objects"]}, f"{path}/main.pt"
+                )
+
+        in_flight.save = threading.Thread(target=write)
+        in_flight.save.start()
+        return in_flight
+
+
+@attrs.frozen
+class ThreadLoad:
+    """Load: wait for this rank's save, then every rank reads (bug switches below)."""
+
+    wait: bool = True  # False: reads whatever is on disk, the save in flight or not
+    keep_settings: bool = False  # True: the optimizer's live hyperparameters survive the load
+
+    def __call__(self, path, state, ctx):
+        if self.wait:
+            ctx.extras["in_flight"].wait()
+        dist.barrier(group=ctx.group)  # every rank's writer has finished (when they wait)
+        main = torch.load(f"{path}/main.pt", weights_only=True)
+        mine = torch.load(f"{path}/rank-{ctx.rank}.pt", weights_only=True)
+        for name, value in state.items():
+            target = sg.unwrap(value) if isinstance(value, torch.nn.Module) else value
+            live = [dict(g) for g in getattr(target, "param_groups", ())]
+            target.load_state_dict(main["objects"][name])
+            if self.keep_settings and live:
+                for group, settings in zip(target.param_groups, live, strict=True):
+                    group.update({k: v for k, v in settings.items() if k != "params"})
+        return {**main["values"], **mine}
+
+
+def thread_checkpoints(**bugs):
+    save_bugs = {k: v for k, v in bugs.items() if k == "copy"}
+    load_bugs = {k: v for k, v in bugs.items() if k in ("wait", "keep_settings")}
+    base = sg.ddp(device="cpu")
+    return attrs.evolve(
+        base,
+        name="thread-save" + "".join(f"-{k}" for k in bugs),
+        setup=InFlightSetup(base.setup),
+        save=ThreadSave(**save_bugs),
+        load=ThreadLoad(**load_bugs),
+    )
+
+
+def background_save(path, state, ctx):
+    """Save: stratagem's background save, its handle kept for the load."""
+    ctx.extras["in_flight"].save = sg.checkpoint.save(path, state, ctx, blocking=False)
+    return ctx.extras["in_flight"].save
+
+
+def waiting_load(path, state, ctx):
+    """Load: wait for this rank's background save first."""
+    ctx.extras["in_flight"].wait()
+    return sg.checkpoint.load(path, state, ctx)
+
+
+def background_checkpoints(wait=True):
+    base = sg.ddp(device="cpu")
+    return attrs.evolve(
+        base,
+        name="background-save" + ("" if wait else "-load-never-waits"),
+        setup=InFlightSetup(base.setup),
+        save=background_save,
+        load=waiting_load if wait else sg.checkpoint.load,
+    )
+
+
+CORRECT["thread-save-checkpoints"] = (thread_checkpoints(), Contract(), None)
+CORRECT["background-save-checkpoints"] = (background_checkpoints(), Contract(), None)
+
+
+# --- four bugs from other projects' trackers -------------------------------------------------
+# torchtitan #1733: pipeline parallelism with gradient accumulation averages where it should sum.
+
+
+@attrs.frozen
+class RescaledEarlierStep:
+    """Pipeline step: the schedule's division by its micro-batches reaches earlier steps' grads.
+
+    Honest pipelines set an earlier step's gradients aside while the schedule divides its own
+    (stratagem's pipeline does); this bug lets the division reach them too, so two steps before
+    an update average their gradients where they should sum them.
+    """
+
+    inner: object
+    microbatches: int
+
+    def __call__(self, module, batch, ctx, *, forward=None):
+        earlier = {p: p.grad.detach().clone() for p in module.parameters() if p.grad is not None}
+        loss = self.inner(module, batch, ctx, forward=forward)
+        for parameter, grad in earlier.items():
+            parameter.grad.sub_(grad - grad / self.microbatches)
+        return loss
+
+
+def averaging_pipeline(stages, microbatches=2):
+    base = sg.pipeline(
+        stages=stages, schedule="1f1b", microbatches=microbatches, timeout=60, device="cpu"
+    )
+    return attrs.evolve(
+        base,
+        name="pipeline-averages-accumulation",
+        step=RescaledEarlierStep(base.step, microbatches),
+    )
+
+
+# accelerate #3979: an FSDP2 float32 upcast (master weights for a bf16 checkpoint) that did nothing.
+
+
+@attrs.frozen
+class UpcastWrap:
+    """Wrap: upcast the module to float32, then fsdp()'s (bug switch: the upcast does nothing)."""
+
+    inner: object
+    works: bool = True
+
+    def __call__(self, module, ctx):
+        if self.works:
+            module = module.float()
+        else:
+            for parameter in module.parameters():
+                parameter.data.float()  # the bug: a converted copy, thrown away
+        return self.inner(module, ctx)
+
+
+def bf16_fsdp(works=True):
+    """fsdp() in "bf16-mixed" (FSDP2's MixedPrecisionPolicy), its wrap upcasting the module first."""
+    base = sg.fsdp(device="cpu")
+    name = "fsdp2-bf16-upcast" + ("" if works else "-does-nothing")
+    upcast = attrs.evolve(base, name=name, wrap=UpcastWrap(base.wrap, works))
+    return sg.with_precision(upcast, "bf16-mixed")
+
+
+# torchtitan PR #4245: a tensor-parallel bias multiplied by the TP degree.
+
+
+class _ReduceForward(torch.autograd.Function):
+    """Megatron's row-parallel reduction: sum the partial outputs forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, partial, group):
+        total = partial.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class RowParallelLinear(torch.nn.Module):
+    """A row-wise split Linear by hand: each rank multiplies its slice of the features."""
+
+    def __init__(self, linear, mesh, bias_on_every_rank):
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        super().__init__()
+        self.weight = torch.nn.Parameter(
+            distribute_tensor(linear.weight.detach(), mesh, [Shard(1)])
+        )
+        self.bias = torch.nn.Parameter(distribute_tensor(linear.bias.detach(), mesh, [Replicate()]))
+        self.group = mesh.get_group()
+        self.bias_on_every_rank = bias_on_every_rank
+
+    def forward(self, x):
+        weight, bias = self.weight.to_local(), self.bias.to_local()
+        if self.bias_on_every_rank:  # the bug: each partial sum carries the bias, summed tp times
+            return _ReduceForward.apply(torch.nn.functional.linear(x, weight, bias), self.group)
+        return _ReduceForward.apply(torch.nn.functional.linear(x, weight), self.group) + bias
+
+
+@attrs.frozen
+class RowSplitPlan:
+    """Plan: column-wise split of layer "0", row-wise of "2" by hand (an MLP's two Linears)."""
+
+    bias_on_every_rank: bool = False
+
+    def __call__(self, module, mesh):
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        module = parallelize_module(module, mesh, {"0": ColwiseParallel()})
+        module[2] = RowParallelLinear(module[2], mesh, self.bias_on_every_rank)
+        return module
+
+
+def hand_tensor_parallel(bias_on_every_rank=False):
+    strategy = sg.tensor_parallel(sg.fsdp(device="cpu"), RowSplitPlan(bias_on_every_rank), size=2)
+    name = "tp-by-hand" + ("-bias-times-degree" if bias_on_every_rank else "")
+    return attrs.evolve(strategy, name=name)
+
+
+# cosmos PR #162: a "skip sync" helper that never skipped under FSDP2 (which has no no_sync()).
+
+
+def skip_sync_helper(module, ctx):
+    """No-sync: the module's own no_sync() where it has one (FSDP1, DDP); else nothing (the bug)."""
+    no_sync = getattr(module, "no_sync", None)
+    return no_sync() if callable(no_sync) else contextlib.nullcontext()
+
+
+def fsdp_with_skip_sync_helper():
+    return attrs.evolve(
+        sg.fsdp(device="cpu"), name="fsdp2-skip-sync-helper", no_sync=skip_sync_helper
+    )

@@ -13,6 +13,7 @@ import torch
 
 from stratagem.combinators._base import applied
 from stratagem.combinators.accumulation import AccumulationSetup, _resolved
+from stratagem.combinators.clipping import ClipUpdate
 from stratagem.combinators.precision import PrecisionSetup
 from stratagem.errors import UsageError, describe
 from stratagem.fields import REDUCE_OPS, ReduceOp
@@ -20,9 +21,15 @@ from stratagem.strategy import StrategyLike
 from stratagem.testing import laws
 from stratagem.testing.contract import Contract
 from stratagem.testing.laws._core import squares_mean
-from stratagem.testing.laws.parallel import Forward, OptimizerFactory, adamw, sgd_momentum
+from stratagem.testing.laws.parallel import (
+    Forward,
+    OptimizerFactory,
+    adamw,
+    backward_in_step,
+    sgd_momentum,
+)
 from stratagem.testing.modules import default_modules, mlp
-from stratagem.testing.tolerances import compute_dtype
+from stratagem.testing.tolerances import compute_dtype, mixed_precision
 from stratagem.testing.world import World
 
 __all__ = ["LAWS", "Report", "check_all", "default_module"]
@@ -43,7 +50,10 @@ LAWS: tuple[str, ...] = (
     "purity",
     "step-autocast",
     "precision-close-to-float32",
+    "float32-master-weights",
+    "combinator-arithmetic",
     "checkpoint-round-trip",
+    "checkpoint-resume",
     "checkpoint-strict",
     "shard-partition",
 )
@@ -55,6 +65,16 @@ def _default_batch(strategy: StrategyLike, world_size: int) -> torch.Tensor:
     window = applied(strategy, AccumulationSetup)
     rows = 4 if window is None else math.lcm(4, _resolved(window.every, world_size))
     return torch.randn(rows * world_size, 4, generator=torch.Generator().manual_seed(1))
+
+
+def _has_arithmetic(strategy: StrategyLike) -> bool:
+    """Whether a combinator of ``strategy`` does arithmetic of its own (and not a pipeline)."""
+    if backward_in_step(strategy):
+        return False
+    own = (AccumulationSetup, ClipUpdate, PrecisionSetup)
+    return any(applied(strategy, kind) is not None for kind in own) or (
+        compute_dtype(strategy) != torch.float32
+    )
 
 
 def default_module() -> torch.nn.Module:
@@ -129,9 +149,12 @@ def check_all(
     default a plain MLP, one with BatchNorm and one with tied weights),
     ``no_sync`` (on more than one rank), purity, autocast in ``step`` when the
     strategy has a mixed precision, training close to float32 when it computes
-    in another dtype, the checkpoint round trip (portable to ``portable_to``
-    when given) and strict loading, and the partition that ``shard`` deals. On
-    one rank, the collectives must be identities.
+    in another dtype (and float32 master weights under a mixed precision), the
+    arithmetic of accumulation, clipping and precision against plain torch by
+    hand (`laws.check_combinator_arithmetic`), the checkpoint round trip
+    (portable to ``portable_to`` when given), a resume with training and a
+    save in flight between save and load, strict loading, and the partition
+    that ``shard`` deals. On one rank, the collectives must be identities.
 
     Tolerances follow the precision the stack applied (`with_precision`, or an
     ``fsdp()`` ``mp_policy``): each law derives its own
@@ -236,10 +259,19 @@ def check_all(
         if compute_dtype(strategy) != torch.float32:
             run("precision-close-to-float32", laws.check_precision, strategy, first, data,
                 world=running, reference=reference, contract=terms, forward=loss)  # fmt: skip
+        if compute_dtype(strategy) != torch.float32 and mixed_precision(strategy):
+            for model in trained.values():
+                run("float32-master-weights", laws.check_master_weights, strategy, model, data,
+                    world=running, forward=loss)  # fmt: skip
+        if _has_arithmetic(strategy) and terms.sync_every == 1:
+            run("combinator-arithmetic", laws.check_combinator_arithmetic, strategy, first, data,
+                world=running, contract=terms, forward=loss)  # fmt: skip
         for model in trained.values():
             run("checkpoint-round-trip", laws.check_checkpoint_round_trip, strategy, model, data,
                 world=running, portable_to=portable_to, directory=directory,
                 updates=terms.sync_every, contract=terms, forward=loss)  # fmt: skip
+        run("checkpoint-resume", laws.check_checkpoint_resume, strategy, first, data,
+            world=running, directory=directory, contract=terms, forward=loss)  # fmt: skip
         run("checkpoint-strict", laws.check_checkpoint_strict, strategy, first, world=running,
             directory=directory)  # fmt: skip
         run("shard-partition", laws.check_shard_partition, strategy, world=running)

@@ -10,7 +10,7 @@ from stratagem.validators import a_bool, choice, field, is_int, is_number
 
 __all__ = ["Buffers", "Contract", "OptimizerState"]
 
-Buffers = Literal["broadcast", "per-rank"]
+Buffers = Literal["broadcast", "per-rank", "averaged"]
 _BUFFERS: tuple[str, ...] = get_args(Buffers)
 OptimizerState = Literal["replicated", "sharded", "per-rank"]
 _OPTIMIZER_STATES: tuple[str, ...] = get_args(OptimizerState)
@@ -47,11 +47,14 @@ class Contract:
             ``"broadcast"``, rank 0's are copied to every rank before the first
             forward of each optimizer step (``DistributedDataParallel``'s
             ``broadcast_buffers``); ``"per-rank"``, each rank keeps its own after
-            wrap. ``None`` reads it off the strategy (``"broadcast"`` under a
-            ``ddp()`` wrap that broadcasts buffers, else ``"per-rank"``). A
-            checkpoint saves replicated state once, from rank 0, so after a load
-            every rank holds rank 0's buffers either way; the round-trip law
-            checks exactly that.
+            wrap; ``"averaged"``, the ranks average their floating-point buffers
+            with their parameters at every synchronisation (local SGD that
+            averages BatchNorm's statistics every ``sync_every`` updates; under
+            ``sync_every=1``, after every update). ``None`` reads it off the
+            strategy (``"broadcast"`` under a ``ddp()`` wrap that broadcasts
+            buffers, else ``"per-rank"``). A checkpoint saves replicated state
+            once, from rank 0, so after a load every rank holds rank 0's
+            buffers either way; the round-trip law checks exactly that.
         optimizer_state: ``"replicated"``, every rank holds the whole optimizer
             state; ``"sharded"`` (ZeRO-1), each rank holds the state of some
             parameters: each rank's slots must equal the reference's, and

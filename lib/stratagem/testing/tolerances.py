@@ -38,7 +38,7 @@ from stratagem.combinators.precision import (
 from stratagem.strategies.fsdp_units import WrapFSDP
 from stratagem.strategy import FIELD_SIGNATURES, Strategy, StrategyLike
 
-__all__ = ["FLOAT32", "compute_dtype", "law_tolerances", "without_precision"]
+__all__ = ["FLOAT32", "compute_dtype", "law_tolerances", "mixed_precision", "without_precision"]
 
 FLOAT32: tuple[float, float] = (1e-4, 1e-5)
 """``(rtol, atol)`` of the training laws in float32: sums in another order, over a few steps."""
@@ -85,7 +85,7 @@ def compute_dtype(strategy: StrategyLike) -> torch.dtype:
     return param_dtype if isinstance(param_dtype, torch.dtype) else torch.float32
 
 
-def _mixed(strategy: StrategyLike) -> bool:
+def mixed_precision(strategy: StrategyLike) -> bool:
     """Whether the parameters stay float32 (autocast, or fsdp's policy) under a low dtype."""
     precision = _applied_precision(strategy)
     return precision.mixed if precision is not None else True
@@ -106,7 +106,7 @@ def law_tolerances(strategy: StrategyLike, law: str) -> tuple[float, float]:
     if dtype not in _LOW:
         return _WRAP_FLOAT32 if kind == "wrap-preserves" else FLOAT32
     eps = float(torch.finfo(dtype).eps)
-    rtol, atol = _EPS_MULTIPLES.get((kind, _mixed(strategy)), (4.0, 4.0))
+    rtol, atol = _EPS_MULTIPLES.get((kind, mixed_precision(strategy)), (4.0, 4.0))
     return (max(rtol * eps, FLOAT32[0]), max(atol * eps, FLOAT32[1]))
 
 

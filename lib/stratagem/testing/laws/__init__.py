@@ -10,6 +10,7 @@ rank order), `snapshot` (a module's and optimizer's whole state by key),
 
 from stratagem.testing.laws._core import LawViolation as LawViolation
 from stratagem.testing.laws._core import run_on as run_on
+from stratagem.testing.laws.checkpoint import check_checkpoint_resume as check_checkpoint_resume
 from stratagem.testing.laws.checkpoint import (
     check_checkpoint_round_trip as check_checkpoint_round_trip,
 )
@@ -21,11 +22,15 @@ from stratagem.testing.laws.collectives import check_reduce_idempotent as check_
 from stratagem.testing.laws.collectives import (
     check_single_rank_identities as check_single_rank_identities,
 )
+from stratagem.testing.laws.oracles import (
+    check_combinator_arithmetic as check_combinator_arithmetic,
+)
 from stratagem.testing.laws.parallel import adamw as adamw
 from stratagem.testing.laws.parallel import check_accumulation as check_accumulation
 from stratagem.testing.laws.parallel import check_data_parallel_step as check_data_parallel_step
 from stratagem.testing.laws.parallel import sgd as sgd
 from stratagem.testing.laws.parallel import sgd_momentum as sgd_momentum
+from stratagem.testing.laws.precision import check_master_weights as check_master_weights
 from stratagem.testing.laws.precision import check_precision as check_precision
 from stratagem.testing.laws.sharding import check_shard_partition as check_shard_partition
 from stratagem.testing.laws.state import first_difference as first_difference
@@ -41,10 +46,13 @@ __all__ = [
     "adamw",
     "check_accumulation",
     "check_broadcast",
+    "check_checkpoint_resume",
     "check_checkpoint_round_trip",
     "check_checkpoint_strict",
+    "check_combinator_arithmetic",
     "check_data_parallel_step",
     "check_gather",
+    "check_master_weights",
     "check_no_sync",
     "check_precision",
     "check_purity",

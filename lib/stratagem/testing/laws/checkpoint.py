@@ -6,11 +6,13 @@ import contextlib
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from stratagem.checkpoint import directory as _checkpoint_directory
 from stratagem.checkpoint.entries import per_rank
 from stratagem.combinators.accumulation import AccumulationState
 from stratagem.env import Context, Env
@@ -30,7 +32,7 @@ from stratagem.testing.laws._core import (
 from stratagem.testing.laws.state import first_difference, snapshot
 from stratagem.testing.world import World
 
-__all__ = ["check_checkpoint_round_trip", "check_checkpoint_strict"]
+__all__ = ["check_checkpoint_resume", "check_checkpoint_round_trip", "check_checkpoint_strict"]
 
 _PLAIN_VALUES = {"step": 3, "note": "law"}
 
@@ -291,3 +293,170 @@ def check_checkpoint_strict(
                 inputs,
                 f"rank {rank}: the per-rank value it saved came back as {mark!r}",
             )
+
+
+# --- resume: training goes on between save and load, saves may be in flight -------------------
+
+# How long the kit holds the commit of a background save made through `stratagem.checkpoint`:
+# a load that does not wait for it reads the checkpoint before it, every time.
+_HELD_COMMIT = 0.3
+
+
+def _hold_commits(stage: str) -> None:
+    if stage == "written":
+        time.sleep(_HELD_COMMIT)
+
+
+def _settings(optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:
+    """Return the hyperparameters of every param group, and the scheduler's state."""
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return {"param_groups": groups, "scheduler": dict(scheduler.state_dict())}
+
+
+def _wait(handle: object) -> None:
+    wait = getattr(handle, "wait", None)
+    if callable(wait):
+        wait()
+
+
+def _in_flight(handle: object) -> bool:
+    done = getattr(handle, "done", None)
+    return callable(done) and not done()
+
+
+def _resume_rank(
+    strategy: StrategyLike,
+    ctx: Any,
+    module: torch.nn.Module,
+    batch: Any,
+    path: str,
+    forward: Forward,
+) -> dict[str, Any]:
+    model = strategy.wrap(fresh_copy(module), ctx)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    mine = own_share(batch, ctx)
+    window = ctx.extras.get("accumulation")
+    micro = window.every if isinstance(window, AccumulationState) else 1
+
+    def train() -> None:
+        for _ in range(micro):
+            strategy.backward(strategy.step(model, mine, ctx, forward=forward), model, ctx)
+            strategy.update(optimizer, model, ctx)
+        scheduler.step()
+
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 1}
+    train()
+    _wait(strategy.save(path, state, ctx))  # an earlier checkpoint at the same path
+    train()
+    optimizer.param_groups[0]["momentum"] = 0.8  # a hyperparameter changed by hand
+    promised, settings = snapshot(model, optimizer), _settings(optimizer, scheduler)
+    hooks = _checkpoint_directory
+    previous, hooks.stage_hook = hooks.stage_hook, _hold_commits
+    try:
+        handle = strategy.save(path, {**state, "step": 2}, ctx)
+        train()  # training goes on at once: the save must hold what was, not what becomes
+        optimizer.param_groups[0]["momentum"] = 0.5
+        restored = strategy.wrap(fresh_copy(module), ctx)
+        restored_optimizer = torch.optim.SGD(restored.parameters(), lr=0.1, momentum=0.9)
+        restored_scheduler = torch.optim.lr_scheduler.StepLR(restored_optimizer, 1, gamma=0.5)
+        targets = {"model": restored, "optimizer": restored_optimizer,
+                   "scheduler": restored_scheduler}  # fmt: skip
+        refused = None
+        try:
+            values = strategy.load(path, targets, ctx)
+        except Exception as error:  # failing on an in-flight save is allowed; then wait
+            if not _in_flight(handle):
+                raise
+            refused = type(error).__name__
+            _wait(handle)
+            values = strategy.load(path, targets, ctx)
+        returned_in_flight = _in_flight(handle)
+        _wait(handle)
+    finally:
+        hooks.stage_hook = previous
+    return {
+        "state": promised,
+        "settings": settings,
+        "loaded_state": snapshot(restored, restored_optimizer),
+        "loaded_settings": _settings(restored_optimizer, restored_scheduler),
+        "values": values,
+        "part": holds_part(ctx),
+        "refused": refused,
+        "returned_in_flight": returned_in_flight,
+    }
+
+
+def check_checkpoint_resume(
+    strategy: StrategyLike,
+    module: torch.nn.Module,
+    batch: Any,
+    *,
+    directory: str | os.PathLike[str] | None = None,
+    world: World | None = None,
+    world_size: int = 2,
+    contract: Contract | None = None,
+    forward: Forward = squares_mean,
+) -> None:
+    """Law ``checkpoint-resume``: a load restores what was saved, whatever happened after the save.
+
+    Each rank trains (SGD with momentum under a ``StepLR`` schedule), saves,
+    trains and changes a hyperparameter by hand, saves again to the same path,
+    and at once, without waiting for that save, trains on and changes the
+    hyperparameter again, then loads into fresh objects. The load must restore
+    the state of the second save, key by key (parameters, buffers, optimizer
+    state), the optimizer's ``param_groups`` settings (``lr``, ``momentum``,
+    ...) and the scheduler's state. A save that returns a handle with
+    ``wait()``/``done()`` (``save(..., blocking=False)``) may still be in
+    flight when ``load`` is called: the load must wait for it, or raise
+    (the law then waits and loads again); a background save made through
+    `stratagem.checkpoint` has its commit held back a moment, so that a load
+    that does not wait reads the first checkpoint every time, never by race.
+
+    Raises:
+        LawViolation: the loaded state, settings or scheduler differ from
+            what the second save held, or ``load`` returned while that save
+            was still in flight.
+    """
+    size = world.world_size if world is not None else world_size
+    inputs = f"module={summarize(module)}, batch={summarize(batch)}"
+    with _directory(directory) as root:
+        path = os.path.join(root, "resume")
+        results = run_on(world, size, _resume_rank, strategy, module, batch, path, forward)
+    first_saved = _first_holder([r["state"] for r in results])
+    sharded = contract is not None and contract.optimizer_state == "sharded"
+    for rank, result in enumerate(results):
+        saved = result["state"]
+        promised = results[0]["state"]
+        if result["part"]:
+            promised = {k: first_saved[k] for k in saved}
+        if sharded:
+            promised = {
+                **{k: v for k, v in results[0]["state"].items() if k.startswith("model.")},
+                **{k: v for k, v in saved.items() if k.startswith("optimizer.")},
+            }
+        found = None
+        if result["returned_in_flight"]:
+            found = (
+                "load returned while the save it reads was still in flight: a load must wait "
+                "for a background save to the same path (its handle's wait()) or refuse"
+            )
+        elif (difference := first_difference(result["loaded_state"], promised, rtol=0.0,
+                                              atol=0.0)) is not None:  # fmt: skip
+            found = (
+                f"after load, {difference.describe('what the last save held')} (a load that "
+                "read an earlier checkpoint, not waiting for the save in flight, or a "
+                "background save that wrote live tensors after training changed them, gives "
+                "this)"
+            )
+        elif result["loaded_settings"] != result["settings"]:
+            found = (
+                f"after load, the optimizer's settings and scheduler are "
+                f"{result['loaded_settings']!r}, but the save held {result['settings']!r} (a "
+                "resume that restores optimizer state but keeps the live hyperparameters, or "
+                "drops the scheduler, gives this)"
+            )
+        elif result["values"].get("step") != 2:
+            found = f"load returned plain values {result['values']!r}; the last save held step=2"
+        if found is not None:
+            raise LawViolation("checkpoint-resume", strategy, inputs, f"rank {rank}: {found}")

@@ -365,6 +365,8 @@ def _reference_run(
             if step:
                 stepping = _skipping(optimizer) if step in skips else optimizer
                 _train(reference, ctx, model, stepping, pieces, plan, shares_)
+                if rule == "averaged":  # every update synchronises: the shares' mean
+                    shares_.buffers = [_mean_buffers(shares_.buffers)] * world_size
             for rank in range(world_size):
                 expected[rank].append(_per_rank_view(model, optimizer, shares_.buffers[rank]))
         return expected
@@ -383,8 +385,12 @@ def _local_reference_run(
     make_optimizer: OptimizerFactory,
     forward: Forward,
     skips: frozenset[int] = frozenset(),
+    buffers: bool = False,
 ) -> list[Snapshots]:
-    """Local SGD's reference: a replica per rank on its own share, parameters averaged every k."""
+    """Local SGD's reference: a replica per rank on its own share, parameters averaged every k.
+
+    With ``buffers``, each replica's floating-point buffers are averaged with the parameters.
+    """
     contexts = [reference.setup(Env()) for _ in range(world_size)]
     try:
         models = [reference.wrap(copy.deepcopy(module), ctx) for ctx in contexts]
@@ -399,7 +405,7 @@ def _local_reference_run(
                 stepping = _skipping(optimizer) if step in skips else optimizer
                 _train(reference, contexts[rank], model, stepping, pieces, plan, forward)
             if step % sync_every == 0:
-                _average([unwrap(m) for m in models])
+                _average([unwrap(m) for m in models], buffers=buffers)
             for rank in range(world_size):
                 expected[rank].append(snapshot(models[rank], optimizers[rank]))
         return expected
@@ -443,12 +449,25 @@ def _agreed_skips(
     return frozenset(skipped[0])
 
 
-def _average(models: list[torch.nn.Module]) -> None:
+def _average(models: list[torch.nn.Module], *, buffers: bool = False) -> None:
+    groups: list[list[torch.Tensor]] = [list(m.parameters()) for m in models]
+    if buffers:  # BatchNorm's statistics; a count (num_batches_tracked) is the same everywhere
+        groups = [[*g, *(b for b in m.buffers() if b.is_floating_point())]
+                  for g, m in zip(groups, models, strict=True)]  # fmt: skip
     with torch.no_grad():
-        for parameters in zip(*(m.parameters() for m in models), strict=True):
-            mean = torch.stack([p.detach() for p in parameters]).mean(dim=0)
-            for parameter in parameters:
-                parameter.copy_(mean)
+        for tensors in zip(*groups, strict=True):
+            mean = torch.stack([t.detach() for t in tensors]).mean(dim=0)
+            for tensor in tensors:
+                tensor.copy_(mean)
+
+
+def _mean_buffers(buffers: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Average the shares' floating-point buffers key by key (others: the first share's)."""
+    return {
+        key: torch.stack([b[key] for b in buffers]).mean(dim=0) if value.is_floating_point()
+        else value.clone()
+        for key, value in buffers[0].items()
+    }  # fmt: skip
 
 
 # --- the laws --------------------------------------------------------------------------------
@@ -624,7 +643,7 @@ def _check(
     if contract.per_rank_optimizer:
         expected = _local_reference_run(
             derived, module, batch, parts, micro, plan, contract.sync_every, optimizer, forward,
-            skips,
+            skips, buffers=contract.buffers == "averaged",
         )  # fmt: skip
     else:
         rule = buffers_rule(strategy, contract)

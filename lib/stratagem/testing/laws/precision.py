@@ -16,10 +16,19 @@ from typing import Any
 
 import torch
 
+from stratagem.checkpoint.entries import unwrap
+from stratagem.combinators._base import root_optimizer
 from stratagem.errors import UsageError
 from stratagem.strategy import StrategyLike
 from stratagem.testing.contract import Contract
-from stratagem.testing.laws._core import squares_mean
+from stratagem.testing.laws._core import (
+    LawViolation,
+    fresh_copy,
+    own_share,
+    run_on,
+    squares_mean,
+    summarize,
+)
 from stratagem.testing.laws.parallel import (
     Forward,
     OptimizerFactory,
@@ -32,7 +41,7 @@ from stratagem.testing.laws.parallel import (
 from stratagem.testing.tolerances import compute_dtype, without_precision
 from stratagem.testing.world import World
 
-__all__ = ["check_precision"]
+__all__ = ["check_master_weights", "check_precision"]
 
 
 def check_precision(
@@ -84,3 +93,59 @@ def check_precision(
         adjust_reference=without_precision,
         needs_an_update=True,
     )  # fmt: skip
+
+
+def _master_dtypes(
+    strategy: StrategyLike, ctx: Any, module: torch.nn.Module, batch: Any, forward: Forward
+) -> dict[str, str]:
+    model = strategy.wrap(fresh_copy(module), ctx)
+    optimizer = sgd_momentum(model.parameters())
+    strategy.backward(strategy.step(model, own_share(batch, ctx), ctx, forward=forward), model, ctx)
+    strategy.update(optimizer, model, ctx)
+    kept = {f"model.{n}": p.dtype for n, p in unwrap(model).named_parameters() if p.requires_grad}
+    names = {id(p): n for n, p in unwrap(model).named_parameters()}
+    for parameter, slots in root_optimizer(optimizer).state.items():
+        for slot, value in slots.items():
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                kept[f"optimizer.{names.get(id(parameter), '?')}.{slot}"] = value.dtype
+    return {key: str(dtype) for key, dtype in kept.items() if dtype != torch.float32}
+
+
+def check_master_weights(
+    strategy: StrategyLike,
+    module: torch.nn.Module,
+    batch: Any,
+    *,
+    world: World | None = None,
+    world_size: int = 2,
+    forward: Forward = squares_mean,
+) -> None:
+    """Law ``float32-master-weights``: under a mixed precision the optimizer steps float32.
+
+    A ``-mixed`` precision (``with_precision``'s, or an ``fsdp()`` ``mp_policy``
+    with a low ``param_dtype``) computes the forward in the low dtype, but
+    keeps the parameters the optimizer updates, and its state, in float32.
+    A module given in bfloat16 (a checkpoint loaded as it was published) must
+    be upcast by ``wrap``; one that stays in bfloat16 loses every update
+    smaller than half its last place.
+
+    Raises:
+        LawViolation: after wrap and one update, a parameter or an optimizer
+            slot is not float32 (a wrap whose upcast does nothing gives this).
+    """
+    size = world.world_size if world is not None else world_size
+    inputs = f"module={summarize(module)}, batch={summarize(batch)}"
+    for rank, low in enumerate(
+        run_on(world, size, _master_dtypes, strategy, module, batch, forward)
+    ):
+        if low:
+            shown = ", ".join(f"{k} is {v}" for k, v in list(low.items())[:3])
+            raise LawViolation(
+                "float32-master-weights",
+                strategy,
+                inputs,
+                f"rank {rank}: after wrap and one update, {shown}; a mixed precision keeps "
+                "the weights the optimizer steps in float32 (a wrap whose upcast of a "
+                "low-precision module does nothing gives this: module.float() returns the "
+                "module, tensor.float() a copy)",
+            )

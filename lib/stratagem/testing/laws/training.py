@@ -72,8 +72,10 @@ def _local_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         grad = parameter.grad
         if grad is None:
             continue
-        local = getattr(grad, "to_local", None)  # sharded gradients: this rank's piece
-        grads[name] = (local() if callable(local) else grad).detach().clone()
+        # A sharded gradient is visible only once reduce-scattered (FSDP2 keeps an unsynced
+        # one to itself): whole, it shows whether the ranks' gradients were synchronised.
+        whole = getattr(grad, "full_tensor", None)
+        grads[name] = (whole() if callable(whole) else grad).detach().clone()
     return grads
 
 
