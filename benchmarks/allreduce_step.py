@@ -30,7 +30,7 @@ from benchmarks import steps
 from benchmarks.report import Case, Result, compare
 from benchmarks.timing import THREADS, bootstrap_median, fixed_threads, rotate
 from stratagem import training
-from stratagem.strategies.allreduce import average_gradients
+from stratagem.strategies.allreduce_buckets import average_gradients
 
 NAME = "allreduce_step"
 DESCRIPTION = "Time per step on 2 gloo ranks: allreduce_grads() vs ddp(), MLP 512-2048-512."

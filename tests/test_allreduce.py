@@ -19,16 +19,13 @@ from helpers import local_ctx, make_batches, make_model
 from stratagem import training
 from stratagem.combinators.accumulation import AccumulationState
 from stratagem.replicas import buckets as _buckets
-from stratagem.strategies.allreduce import (
+from stratagem.strategies.allreduce import AllreduceThenStep, broadcast_module
+from stratagem.strategies.allreduce_buckets import (
     FIRST_BUCKET_MB,
-    AllreduceThenStep,
     average_gradients,
-    average_gradients_overlapped,
     backward_buckets,
-    broadcast_module,
-    pause_hooks,
 )
-from stratagem.strategies.allreduce_hooks import _HOOKS
+from stratagem.strategies.allreduce_hooks import _HOOKS, average_gradients_overlapped, pause_hooks
 
 STEPS = 5
 BATCH = 8

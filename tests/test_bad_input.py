@@ -263,7 +263,7 @@ ROWS: list[Row] = [
         lambda k: sg.with_activation_checkpointing(None, bool), U,
         ("with_activation_checkpointing: 'strategy' must be a Strategy", "got None")),
     Row("tensor_parallel", "on ddp", lambda k: sg.tensor_parallel(sg.ddp(device="cpu"), _plan()), C,
-        ("'ddp' is not an fsdp() strategy", "tensor_parallel(sg.fsdp(), plan, size=2)")),
+        ("'ddp' does not build a device mesh", "tensor_parallel(sg.fsdp(), plan, size=2)")),
     Row("tensor_parallel", "size=1", lambda k: sg.tensor_parallel(sg.fsdp(device="cpu"), _plan(), size=1), U,
         ("tensor_parallel: 'size' must be an int of at least 2", "got 1, an int")),
     Row("tensor_parallel", "empty plan", lambda k: sg.tensor_parallel(sg.fsdp(device="cpu"), {}), U,

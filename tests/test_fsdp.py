@@ -18,7 +18,8 @@ import torch
 
 import stratagem as sg
 from helpers import make_batches, make_model
-from stratagem.strategies.fsdp import OPTIMIZER_BEFORE_WRAP, device_mesh, mesh_shape
+from stratagem.meshes import device_mesh, mesh_shape
+from stratagem.strategies.fsdp import OPTIMIZER_BEFORE_WRAP
 
 STEPS = 4
 BATCH = 8

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import stratagem as sg
 from stratagem.launching import MAX_SECONDS
+from stratagem.process_group import WorldOptions
 from stratagem.strategy import FIELD_SIGNATURES
 
 T = TypeVar("T")
@@ -131,7 +132,14 @@ def options(names: list[str]) -> st.SearchStrategy[dict[str, Any]]:
 
 
 def keywords(function: Callable[..., Any], *leave_out: str) -> list[str]:
-    return [p for p in inspect.signature(function).parameters if p not in leave_out]
+    """The keywords ``function`` takes; ``**world`` stands for the `WorldOptions` keys."""
+    out = []
+    for name, parameter in inspect.signature(function).parameters.items():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            out += [] if name != "world" else list(WorldOptions.__annotations__)
+        elif name not in leave_out:
+            out.append(name)
+    return out
 
 
 SINGLE = sg.single_device("cpu")

@@ -17,8 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import stratagem as sg
 from stratagem.collectives import STALE_CONTEXT
-from stratagem.strategies.ddp import UNWRAPPED_UNDER_DDP
-from stratagem.training import OPTIMIZER_NOT_FOR_MODULE
+from stratagem.training import OPTIMIZER_NOT_FOR_MODULE, UNWRAPPED_UNDER_DDP
 
 
 def loss_of(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:

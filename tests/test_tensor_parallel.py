@@ -7,6 +7,7 @@ gathered whole, must equal ``single_device()`` training on the whole batch.
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -133,6 +134,26 @@ def test_tensor_parallel_alone_on_two_ranks_equals_one_process():
         train, sg.tensor_parallel(sg.fsdp_spawn(device="cpu"), block_plan()), devices=2
     )
     assert [r["data_parallel"] for r in results] == [(0, 1), (0, 1)]
+    assert results[0]["seen"] == results[1]["seen"]
+    assert_equal_to_reference(results, reference())
+
+
+def grouped_wrap(module, ctx):
+    """A wrap of the user's own (torchtitan style): each child with parameters a group."""
+    from torch.distributed.fsdp import fully_shard
+
+    for index, child in enumerate(module.children()):
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=ctx.data_mesh, reshard_after_forward=index % 2 == 0)
+    fully_shard(module, mesh=ctx.data_mesh)
+    return module
+
+
+@pytest.mark.slow
+def test_tensor_parallel_composes_with_a_users_own_fsdp_wrap():
+    # issue 36: tensor_parallel refused any wrap but fsdp()'s own (a CombinatorError).
+    own = attrs.evolve(sg.fsdp_spawn(device="cpu"), wrap=grouped_wrap)
+    results = sg.launch(train, sg.tensor_parallel(own, block_plan()), devices=2)
     assert results[0]["seen"] == results[1]["seen"]
     assert_equal_to_reference(results, reference())
 

@@ -260,6 +260,21 @@ class Context:
         return self.extras.get("mesh")
 
     @property
+    def data_mesh(self) -> Any:
+        """The sub-mesh of ``mesh``'s data-parallel dimensions, what FSDP shards over; or ``None``.
+
+        The whole mesh when it has no model-parallel dimension (`MODEL_PARALLEL_DIMS`).
+        A wrap of your own that shards (``fully_shard(..., mesh=ctx.data_mesh)``)
+        then composes with `tensor_parallel` as the built-in one does.
+        """
+        mesh = self.mesh
+        if mesh is None:
+            return None
+        names = mesh.mesh_dim_names or ()
+        data = tuple(n for n in names if n not in MODEL_PARALLEL_DIMS)
+        return mesh if data == names else mesh[data]
+
+    @property
     def data_parallel(self) -> tuple[int, int]:
         """``(index, size)`` of this rank among the ranks that take different batches.
 

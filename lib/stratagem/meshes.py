@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Literal
 
 import attrs
 
-from stratagem.env import MODEL_PARALLEL_DIMS, Context, Env, check_env
+from stratagem.env import Context, Env, check_env
 from stratagem.errors import UsageError
 from stratagem.fields import SetupFn
 from stratagem.process_group import JoinProcessGroup
@@ -20,7 +20,7 @@ from stratagem.validators import field, is_int, positive_int, require
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["JoinMesh", "ShardSize", "data_mesh", "device_mesh", "mesh_dims", "mesh_shape"]
+__all__ = ["JoinMesh", "ShardSize", "device_mesh", "mesh_dims", "mesh_shape"]
 
 ShardSize = int | Literal["world", "node"]
 """Ranks per shard group: ``"world"`` (all), ``"node"`` (the ranks of a node), or a number."""
@@ -110,13 +110,6 @@ def device_mesh(
     return init_device_mesh(
         ctx.device.type, tuple(n for _, n in dims), mesh_dim_names=tuple(d for d, _ in dims)
     )
-
-
-def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """Return the sub-mesh of ``mesh``'s data-parallel dimensions (itself if it has no others)."""
-    names = mesh.mesh_dim_names or ()
-    data = tuple(n for n in names if n not in MODEL_PARALLEL_DIMS)
-    return mesh if data == names else mesh[data]
 
 
 @attrs.frozen(kw_only=True)

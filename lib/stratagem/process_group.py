@@ -10,7 +10,9 @@ from __future__ import annotations
 import gc
 import os
 import sys
+from collections.abc import Mapping
 from datetime import timedelta
+from typing import TypedDict
 
 import attrs
 import torch
@@ -24,7 +26,7 @@ from torch.distributed import (  # type: ignore[attr-defined]  # exported at run
 
 from stratagem import pending
 from stratagem.arrivals import DEFAULT_TIMEOUT, Arrivals, check_arrival_timeout
-from stratagem.devices import DeviceSpec, resolve_device
+from stratagem.devices import DeviceSpec, check_device_spec, resolve_device
 from stratagem.env import Context, Env, check_context, check_env
 from stratagem.errors import LaunchError, UsageError, describe
 from stratagem.launching import MAX_SECONDS
@@ -35,9 +37,11 @@ __all__ = [
     "DEFAULT_JOIN_TIMEOUT",
     "NEVER_JOINED",
     "JoinProcessGroup",
+    "WorldOptions",
     "check_backend",
     "collective_timeout",
     "default_backend",
+    "join_world",
     "leave",
     "leave_process_group",
 ]
@@ -182,6 +186,24 @@ class JoinProcessGroup:
     that never comes is a `LaunchError` naming it (`NEVER_JOINED`), on every
     rank that did.
 
+    Its fields are the world options (`WorldOptions`) that every multi-process
+    built-in takes as keywords and passes here whole.
+
+    Attributes:
+        device: ``"auto"`` (``cuda:LOCAL_RANK`` where the host has a GPU per
+            local rank, else the CPU) or a device.
+        backend: ``None`` picks gloo on the CPU and ``"cpu:gloo,cuda:nccl"`` on
+            CUDA; or any string ``init_process_group`` takes, device mappings
+            included. Without a CPU backend (``"nccl"``), setup adds a gloo
+            group for CPU traffic (``ctx.cpu_group``).
+        timeout: seconds (or a ``timedelta``) that process-group init and every
+            collective wait before failing.
+        arrival_timeout: seconds that ``save``, ``load`` and ``barrier`` wait
+            for every rank to call them before raising `CollectiveCallError`
+            (the mark of a call made on some ranks only).
+        join_timeout: seconds that setup waits for every rank to join the
+            world; a rank that never comes is a `LaunchError` naming it.
+
     Raises:
         UsageError: ``env`` is not an `Env`, or the device is not available.
         LaunchError: a multi-rank world without a port, a process group already
@@ -189,7 +211,7 @@ class JoinProcessGroup:
             did not join within ``join_timeout``.
     """
 
-    device: DeviceSpec = "auto"
+    device: DeviceSpec = attrs.field(default="auto", converter=check_device_spec)
     backend: str | None = attrs.field(default=None, converter=check_backend)
     timeout: timedelta = attrs.field(
         default=timedelta(minutes=30), converter=_to_timedelta, validator=_positive_timeout
@@ -284,6 +306,41 @@ class JoinProcessGroup:
 
 
 _timeouts: dict[dist.ProcessGroup, timedelta] = {}
+
+
+WorldOptions = TypedDict(  # noqa: UP013  # a type for keywords, not a class to derive from
+    "WorldOptions",
+    {
+        "device": DeviceSpec,
+        "backend": "str | None",
+        "timeout": "float | timedelta",
+        "arrival_timeout": float,
+        "join_timeout": float,
+    },
+    total=False,
+)
+"""How a multi-process built-in joins its world: the fields of `JoinProcessGroup`.
+
+``ddp()``, ``fsdp()``, ``allreduce_grads()`` and ``pipeline()`` take them as
+``**world`` keywords and pass them through whole; they are documented once,
+on `JoinProcessGroup`.
+"""
+
+
+def join_world(factory: str, world: Mapping[str, object]) -> JoinProcessGroup:
+    """Return the setup field that joins the world ``world`` describes, for ``factory()``.
+
+    Raises:
+        TypeError: a keyword is neither the factory's own nor a `WorldOptions` key.
+        UsageError: a value is malformed (see `JoinProcessGroup`).
+    """
+    unknown = sorted(set(world) - WorldOptions.__annotations__.keys())
+    if unknown:
+        raise TypeError(
+            f"{factory}() got an unexpected keyword argument {unknown[0]!r}; besides its own "
+            f"options it takes the world's: {', '.join(WorldOptions.__annotations__)}."
+        )
+    return JoinProcessGroup(**world)  # type: ignore[arg-type]  # keys checked just above
 
 
 def collective_timeout(group: dist.ProcessGroup | None) -> timedelta | None:

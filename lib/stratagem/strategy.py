@@ -8,7 +8,7 @@ validators here, so every substitution is checked as construction is.
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
@@ -67,26 +67,6 @@ class _Accepts:
         return f"<accepts {self.signature}>"
 
 
-FIELD_SIGNATURES: dict[str, _Accepts] = {
-    "launch": _Accepts("(fn, strategy, devices, args) -> list", 4),
-    "setup": _Accepts("(env) -> Context", 1),
-    "wrap": _Accepts("(module, ctx) -> module", 2),
-    "step": _Accepts("(module, batch, ctx, *, forward=None) -> output", 3, ("forward",)),
-    "backward": _Accepts("(loss, module, ctx) -> None", 3),
-    "update": _Accepts("(optimizer, module, ctx) -> None", 3),
-    "no_sync": _Accepts("(module, ctx) -> ContextManager", 2),
-    "reduce": _Accepts("(tensor, op, ctx) -> Tensor", 3),
-    "gather": _Accepts("(tensor, ctx) -> Tensor", 2),
-    "broadcast": _Accepts("(obj, ctx, *, src=0) -> obj", 2, ("src",)),
-    "barrier": _Accepts("(ctx) -> None", 1),
-    "shard": _Accepts("(loader, ctx) -> loader", 2),
-    "save": _Accepts("(path, state, ctx) -> None", 3),
-    "load": _Accepts("(path, state, ctx) -> dict", 3),
-    "teardown": _Accepts("(ctx) -> None", 1),
-}
-"""The calling convention of every function field, as validated at construction."""
-
-
 def _name(instance: object, attribute: attrs.Attribute[str], value: object) -> None:
     if not isinstance(value, str) or not value:
         raise StrategyFieldError(f"'name' must be a non-empty str (got {describe(value)}).")
@@ -115,21 +95,33 @@ class Strategy:
     """
 
     name: str = attrs.field(validator=_name)
-    launch: LaunchFn = attrs.field(validator=FIELD_SIGNATURES["launch"])
-    setup: SetupFn = attrs.field(validator=FIELD_SIGNATURES["setup"])
-    wrap: WrapFn = attrs.field(validator=FIELD_SIGNATURES["wrap"])
-    step: StepFn = attrs.field(validator=FIELD_SIGNATURES["step"])
-    backward: BackwardFn = attrs.field(validator=FIELD_SIGNATURES["backward"])
-    update: UpdateFn = attrs.field(validator=FIELD_SIGNATURES["update"])
-    no_sync: NoSyncFn = attrs.field(validator=FIELD_SIGNATURES["no_sync"])
-    reduce: ReduceFn = attrs.field(validator=FIELD_SIGNATURES["reduce"])
-    gather: GatherFn = attrs.field(validator=FIELD_SIGNATURES["gather"])
-    broadcast: BroadcastFn = attrs.field(validator=FIELD_SIGNATURES["broadcast"])
-    barrier: BarrierFn = attrs.field(validator=FIELD_SIGNATURES["barrier"])
-    shard: ShardFn = attrs.field(validator=FIELD_SIGNATURES["shard"])
-    save: SaveFn = attrs.field(validator=FIELD_SIGNATURES["save"])
-    load: LoadFn = attrs.field(validator=FIELD_SIGNATURES["load"])
-    teardown: TeardownFn = attrs.field(validator=FIELD_SIGNATURES["teardown"])
+    launch: LaunchFn = attrs.field(validator=_Accepts("(fn, strategy, devices, args) -> list", 4))
+    setup: SetupFn = attrs.field(validator=_Accepts("(env) -> Context", 1))
+    wrap: WrapFn = attrs.field(validator=_Accepts("(module, ctx) -> module", 2))
+    step: StepFn = attrs.field(
+        validator=_Accepts("(module, batch, ctx, *, forward=None) -> output", 3, ("forward",))
+    )
+    backward: BackwardFn = attrs.field(validator=_Accepts("(loss, module, ctx) -> None", 3))
+    update: UpdateFn = attrs.field(validator=_Accepts("(optimizer, module, ctx) -> None", 3))
+    no_sync: NoSyncFn = attrs.field(validator=_Accepts("(module, ctx) -> ContextManager", 2))
+    reduce: ReduceFn = attrs.field(validator=_Accepts("(tensor, op, ctx) -> Tensor", 3))
+    gather: GatherFn = attrs.field(validator=_Accepts("(tensor, ctx) -> Tensor", 2))
+    broadcast: BroadcastFn = attrs.field(
+        validator=_Accepts("(obj, ctx, *, src=0) -> obj", 2, ("src",))
+    )
+    barrier: BarrierFn = attrs.field(validator=_Accepts("(ctx) -> None", 1))
+    shard: ShardFn = attrs.field(validator=_Accepts("(loader, ctx) -> loader", 2))
+    save: SaveFn = attrs.field(validator=_Accepts("(path, state, ctx) -> None", 3))
+    load: LoadFn = attrs.field(validator=_Accepts("(path, state, ctx) -> dict", 3))
+    teardown: TeardownFn = attrs.field(validator=_Accepts("(ctx) -> None", 1))
+
+
+FIELD_SIGNATURES: dict[str, _Accepts] = {
+    field.name: cast(_Accepts, field.validator)
+    for field in attrs.fields(Strategy)
+    if field.name != "name"
+}
+"""The calling convention of every function field, as validated at construction."""
 
 
 def not_a_strategy(value: object, function: str) -> str:

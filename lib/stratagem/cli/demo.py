@@ -23,9 +23,9 @@ from stratagem.cli import plot
 from stratagem.cli.classifier import Config, Result, train
 from stratagem.cli.escaping import printable
 from stratagem.cli.progress import table
-from stratagem.combinators.precision import PRECISIONS
 from stratagem.devices import cuda_device_count
 from stratagem.errors import UsageError
+from stratagem.precisions import PRECISIONS
 
 __all__ = ["STRATEGIES", "configure", "run", "spawn_devices"]
 

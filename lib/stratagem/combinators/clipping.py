@@ -16,11 +16,11 @@ from stratagem.combinators._base import (
     check_strategy,
     root_optimizer,
 )
-from stratagem.combinators.precision import PrecisionState
 from stratagem.env import Context, Env, check_context
 from stratagem.errors import UsageError
 from stratagem.fields import SetupFn, UpdateFn
 from stratagem.parts import part_of
+from stratagem.precisions import precision_of
 from stratagem.strategy import Strategy
 from stratagem.training import check_optimizer, clip_norm_, update
 from stratagem.validators import is_number, require
@@ -106,9 +106,9 @@ class ClipUpdate:
     def clip(self, optimizer: Any, module: torch.nn.Module, ctx: Context) -> None:
         """Unscale (under ``"16-mixed"``), then clip the gradients ``optimizer`` will apply."""
         extras = ctx.extras
-        precision = extras.get("precision")
-        if isinstance(precision, PrecisionState):
-            precision.unscale(optimizer)  # clip what the optimizer will see, not scaled values
+        precision = precision_of(ctx)
+        if precision is not None:  # clip what the optimizer will see, not scaled values
+            precision.unscale(root_optimizer(optimizer))
         parameters = _parameters(optimizer, module)
         if self.max_norm is not None:
             part = part_of(module)  # a pipeline's stages: the whole module's norm

@@ -12,21 +12,18 @@ import contextlib
 import inspect
 import warnings
 from collections.abc import Iterator
-from contextlib import AbstractContextManager
 from typing import Any, cast
 
 import attrs
 import torch
 
 from stratagem.combinators._base import CombinatorError, applied, check_strategy
-from stratagem.combinators.accumulation import AccumulationStep
 from stratagem.env import Context
 from stratagem.errors import UsageError
-from stratagem.fields import NoSyncFn, WrapFn
+from stratagem.fields import WrapFn
 from stratagem.strategy import Strategy
-from stratagem.training import original_module
 
-__all__ = ["CompiledNoSync", "CompiledWrap", "compiled", "original_module"]
+__all__ = ["CompiledWrap", "compiled"]
 
 
 @contextlib.contextmanager
@@ -58,16 +55,6 @@ class CompiledWrap:
         wrapped = self.inner(module, ctx)
         with _torch_import_warnings_ignored():
             return cast(torch.nn.Module, torch.compile(wrapped, **dict(self.options)))
-
-
-@attrs.frozen
-class CompiledNoSync:
-    """No-sync: the inner ``no_sync`` on the module under the compiler (DDP checks its type)."""
-
-    inner: NoSyncFn
-
-    def __call__(self, module: torch.nn.Module, ctx: Context) -> AbstractContextManager[Any]:
-        return self.inner(original_module(module), ctx)
 
 
 _NOT_OPTIONS = ("model",)  # the module comes from wrap
@@ -114,8 +101,10 @@ def compiled(strategy: Strategy, **torch_compile_options: Any) -> Strategy:
     one, so autocast and the user's forward are unchanged. ``sg.unwrap`` and
     checkpoints see through the compiled wrapper.
 
-    Fields touched: ``wrap`` (`CompiledWrap`) and ``no_sync`` (`CompiledNoSync`,
-    which hands the inner ``no_sync`` the module under the compiler).
+    Fields touched: ``wrap`` (`CompiledWrap`) only. The other fields receive
+    the compiled module, as they receive whatever ``wrap`` returned; the
+    built-ins' ``no_sync`` look under the compiler (`original_module`), so
+    ``compiled`` and ``accumulate`` compose in either order.
 
     Args:
         strategy: the strategy whose modules to compile.
@@ -130,20 +119,12 @@ def compiled(strategy: Strategy, **torch_compile_options: Any) -> Strategy:
             ``torch.compile``'s, or
             ``torch.compile`` rejects its value (checking imports ``torch._dynamo``,
             a few seconds, once per process).
-        CombinatorError: the strategy is already compiled, or already accumulates
-            (accumulation's ``step`` holds the ``no_sync`` it was given, which
-            cannot take a compiled module: apply ``compiled`` first).
+        CombinatorError: the strategy is already compiled.
     """
     check_strategy(strategy, "compiled")
     if applied(strategy, CompiledWrap) is not None:
         raise CombinatorError(
             f"compiled: strategy {strategy.name!r} is already compiled; apply compiled once."
-        )
-    if applied(strategy, AccumulationStep) is not None:
-        raise CombinatorError(
-            f"compiled: strategy {strategy.name!r} already accumulates, and accumulation's step "
-            "would hand the compiled module to a no_sync that expects the plain one; apply "
-            "compiled first: accumulate(compiled(strategy), every)."
         )
     _check_names(torch_compile_options)
     _check_values(torch_compile_options)
@@ -151,5 +132,4 @@ def compiled(strategy: Strategy, **torch_compile_options: Any) -> Strategy:
         strategy,
         name=f"{strategy.name}+compiled",
         wrap=CompiledWrap(strategy.wrap, tuple(sorted(torch_compile_options.items()))),
-        no_sync=CompiledNoSync(strategy.no_sync),
     )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, get_args
+from typing import Any
 
 import attrs
 import torch
@@ -28,52 +28,24 @@ from stratagem.fields import (
     UpdateFn,
     WrapFn,
 )
-from stratagem.strategies.fsdp_units import WrapFSDP
+from stratagem.precisions import (
+    DTYPES,
+    PRECISIONS,
+    Precision,
+    PrecisionState,
+    check_fsdp_policy,
+    precision_of,
+)
 from stratagem.strategy import Strategy
 from stratagem.training import check_loss, check_optimizer, move_batch
 from stratagem.trees import map_tensors
 from stratagem.validators import require
 
-__all__ = ["Precision", "PrecisionState", "with_precision"]
-
-Precision = Literal["32-true", "64-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true"]
-PRECISIONS: tuple[str, ...] = get_args(Precision)
-
-_DTYPES = {
-    "32-true": torch.float32,
-    "64-true": torch.float64,
-    "bf16-mixed": torch.bfloat16,
-    "bf16-true": torch.bfloat16,
-    "16-mixed": torch.float16,
-    "16-true": torch.float16,
-}
+__all__ = ["PrecisionSetup", "PrecisionStep", "PrecisionWrap", "with_precision"]
 
 
 def _mixed(precision: str) -> bool:
     return precision.endswith("-mixed")
-
-
-@attrs.define
-class PrecisionState:
-    """Per-run precision state, kept in ``ctx.extras["precision"]``.
-
-    Attributes:
-        scaler: the ``GradScaler`` of ``"16-mixed"`` (None otherwise); save it
-            with your checkpoint (``{"scaler": ctx.extras["precision"].scaler}``).
-        unscaled: whether this step's gradients were already unscaled (by clipping).
-        skipped: optimizer steps skipped so far because a gradient was not finite
-            (``"16-mixed"``: an overflow, or a NaN/inf loss); see docs/faults.md.
-    """
-
-    scaler: torch.amp.GradScaler | None
-    unscaled: bool = False
-    skipped: int = 0
-
-    def unscale(self, optimizer: Any) -> None:
-        """Unscale this step's gradients once, before anything reads them."""
-        if self.scaler is not None and not self.unscaled:
-            self.scaler.unscale_(root_optimizer(optimizer))
-            self.unscaled = True
 
 
 def _check_device(precision: str, device: torch.device) -> None:
@@ -99,7 +71,7 @@ class PrecisionSetup:
     @property
     def dtype(self) -> torch.dtype:
         """The dtype this precision computes in (what the testing kit derives tolerances from)."""
-        return _DTYPES[self.precision]
+        return DTYPES[self.precision]
 
     @property
     def mixed(self) -> bool:
@@ -110,20 +82,29 @@ class PrecisionSetup:
         ctx = self.inner(env)
         _check_device(self.precision, ctx.device)
         scaler = torch.amp.GradScaler(ctx.device.type) if self.precision == "16-mixed" else None
-        return ctx.with_extras(precision=PrecisionState(scaler))
+        return ctx.with_extras(precision=PrecisionState(self.precision, scaler))
 
 
 @attrs.frozen
 class PrecisionWrap:
-    """Wrap: convert the module to the precision's dtype (``-true`` modes) before the inner wrap."""
+    """Wrap: the module in the precision's dtype (``-true``) before the inner wrap.
+
+    A ``-mixed`` precision leaves the module float32; after the inner wrap,
+    every FSDP group must gather in the precision's dtype (the built-in wrap
+    takes its policy from the context; a user's own must too).
+    """
 
     inner: WrapFn
     precision: str
 
     def __call__(self, module: torch.nn.Module, ctx: Context) -> torch.nn.Module:
         if not _mixed(self.precision) and isinstance(module, torch.nn.Module):
-            module = module.to(_DTYPES[self.precision])
-        return self.inner(module, ctx)
+            module = module.to(DTYPES[self.precision])
+        wrapped = self.inner(module, ctx)
+        state = precision_of(ctx)
+        if state is not None:
+            check_fsdp_policy(wrapped, state, "with_precision")
+        return wrapped
 
 
 def _cast_floats(batch: Any, dtype: torch.dtype) -> Any:
@@ -142,7 +123,7 @@ class PrecisionStep:
         self, module: torch.nn.Module, batch: Any, ctx: Context, *, forward: ForwardFn | None = None
     ) -> Any:
         check_context(ctx, "step")
-        dtype = _DTYPES[self.precision]
+        dtype = DTYPES[self.precision]
         if _mixed(self.precision):
             with torch.autocast(ctx.device.type, dtype=dtype):
                 return self.inner(module, batch, ctx, forward=forward)
@@ -152,8 +133,8 @@ class PrecisionStep:
 
 
 def _state(ctx: Context, function: str) -> PrecisionState:
-    state = check_context(ctx, function).extras.get("precision")
-    if not isinstance(state, PrecisionState):
+    state = precision_of(check_context(ctx, function))
+    if state is None:
         raise UsageError(
             "with_precision: ctx has no precision state; pass the Context that this strategy's "
             "setup returned (launch does this)."
@@ -186,7 +167,7 @@ class ScaledUpdate:
         state = _state(ctx, "update")
 
         def on_step(step: Callable[[], Any]) -> Any:
-            state.unscale(optimizer)
+            state.unscale(root_optimizer(optimizer))
             finite = _all_finite(gradients(optimizer), ctx)
             # An overflow (or a NaN loss) skips the step, as GradScaler does; the scale backs off.
             result = step() if finite else None
@@ -216,30 +197,6 @@ def _all_finite(grads: list[torch.Tensor], ctx: Context) -> bool:
     return collectives.reduce(flag, "max", ctx).item() == 0.0
 
 
-def _with_fsdp_policy(wrap: Any, precision: str, name: str) -> Any:
-    """Return ``wrap`` with its `WrapFSDP` layer given the precision's mixed precision policy."""
-    if isinstance(wrap, WrapFSDP):
-        if wrap.mp_policy is not None:
-            raise CombinatorError(
-                f"with_precision: {precision!r} sets FSDP's mixed precision policy, but strategy "
-                f"{name!r} already has mp_policy={wrap.mp_policy!r}; pass either "
-                "fsdp(mp_policy=...) or with_precision, not both."
-            )
-        from torch.distributed.fsdp import MixedPrecisionPolicy  # seconds to import: FSDP only
-
-        # Parameters gathered and computed in the low precision; gradients reduced in float32,
-        # so the sum over ranks loses nothing and the sharded gradients stay float32.
-        policy = MixedPrecisionPolicy(param_dtype=_DTYPES[precision], reduce_dtype=torch.float32)
-        return attrs.evolve(wrap, mp_policy=policy)
-    inner = getattr(wrap, "inner", None)
-    if inner is None or not attrs.has(type(wrap)):
-        raise CombinatorError(
-            f"with_precision: cannot reach fsdp's wrap through {wrap!r} to set its mixed "
-            f"precision policy; apply with_precision to strategy {name!r} before what added it."
-        )
-    return attrs.evolve(wrap, inner=_with_fsdp_policy(inner, precision, name))
-
-
 def with_precision(strategy: Strategy, precision: Precision) -> Strategy:
     """Train in a numeric precision: module dtype, autocast, loss scaling.
 
@@ -253,23 +210,27 @@ def with_precision(strategy: Strategy, precision: Precision) -> Strategy:
     ``"16-mixed"`` ``backward`` (loss scaling) and ``update`` (unscale, skip
     on overflow, scale update).
 
-    Under ``fsdp()``, a ``-mixed`` precision also sets the FSDP wrap's
-    ``MixedPrecisionPolicy(param_dtype=<its dtype>, reduce_dtype=torch.float32)``:
-    parameters are gathered and used in the low precision (half the traffic
-    and memory of the unsharded parameters) and gradients are reduced and
-    kept in float32 (BatchNorm layers are groups of their own that keep
-    float32 parameters, beside their float32 statistics). Autocast stays in
+    Under FSDP, a ``-mixed`` precision also reaches the wrap, through the
+    context rather than the record: FSDP's wrap reads
+    ``precision_of(ctx).fsdp_policy()``, ``MixedPrecisionPolicy(param_dtype=<its
+    dtype>, reduce_dtype=torch.float32)``, so parameters are gathered and used
+    in the low precision (half the traffic and memory of the unsharded
+    parameters) and gradients are reduced and kept in float32 (BatchNorm
+    layers are groups of their own that keep float32 parameters, beside their
+    float32 statistics). A wrap of the user's own that calls ``fully_shard``
+    must pass that policy; one that does not is refused at ``wrap``, never
+    half applied. The order of combinators does not matter. Autocast stays in
     ``step`` as well, so the operations it keeps in float32 (softmax, norms,
     losses) still run in float32 and the step-autocast law holds on every
-    strategy. ``"16-mixed"`` keeps its
-    ``GradScaler``, which works on the sharded gradients (every rank skips an
-    overflowing step together).
+    strategy. ``"16-mixed"`` keeps its ``GradScaler``, which works on the
+    sharded gradients (every rank skips an overflowing step together).
 
     Raises:
         UsageError: ``strategy`` is not a `Strategy`, or ``precision`` is unknown.
-        CombinatorError: the strategy already has a precision, (``-mixed``
-            under FSDP) its ``fsdp()`` already has an ``mp_policy``, or
-            (``"16-mixed"``) its step runs the backward (a pipeline).
+        CombinatorError: the strategy already has a precision, or
+            (``"16-mixed"``) its step runs the backward (a pipeline); at
+            ``wrap``, FSDP groups that ignore the policy, or an
+            ``fsdp(mp_policy=...)`` beside a ``-mixed`` precision.
 
     Example:
         >>> import stratagem as sg
@@ -295,13 +256,10 @@ def with_precision(strategy: Strategy, precision: Precision) -> Strategy:
             "pipeline's schedule), so the loss scaling of '16-mixed' would reach no gradient; "
             "use 'bf16-mixed' (no loss scaling) or '16-true'."
         )
-    wrap = strategy.wrap
-    if _mixed(precision) and applied(strategy, WrapFSDP) is not None:
-        wrap = _with_fsdp_policy(wrap, precision, strategy.name)
     changes: dict[str, Any] = {
         "name": f"{strategy.name}+{precision}",
         "setup": PrecisionSetup(strategy.setup, precision),
-        "wrap": PrecisionWrap(wrap, precision),
+        "wrap": PrecisionWrap(strategy.wrap, precision),
         "step": PrecisionStep(strategy.step, precision),
     }
     if precision == "16-mixed":

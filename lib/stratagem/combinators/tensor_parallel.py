@@ -26,7 +26,6 @@ from stratagem.errors import UsageError, describe
 from stratagem.fields import WrapFn
 from stratagem.meshes import JoinMesh
 from stratagem.replicas import broadcast_tensors, check_same_layout
-from stratagem.strategies.fsdp_units import WrapFSDP
 from stratagem.strategy import Strategy
 from stratagem.validators import is_int, require
 
@@ -40,11 +39,11 @@ Plan = Mapping[str, Any] | Callable[[torch.nn.Module, Any], torch.nn.Module]
 objects (``ColwiseParallel()``, ``RowwiseParallel()``, ``SequenceParallel()``), or a
 function ``(module, tp_mesh) -> module`` that parallelises the module itself."""
 
-NOT_ON_FSDP = (
-    "tensor_parallel: {name!r} is not an fsdp() strategy (its setup is {setup}, its wrap "
-    "{wrap}); tensor parallelism composes with fsdp(), which shards each tensor-parallel "
-    "part over the data-parallel ranks: tensor_parallel(sg.fsdp(), plan, size=2). Apply "
-    "other combinators on top: sg.with_clipping(tensor_parallel(sg.fsdp(), plan), ...)."
+NOT_ON_A_MESH = (
+    "tensor_parallel: {name!r} does not build a device mesh (its setup is {setup}); tensor "
+    "parallelism adds a 'tp' dimension to the mesh of fsdp()'s setup (JoinMesh), whose wrap "
+    "(or a wrap of your own, sharding over ctx.data_mesh) shards each tensor-parallel part "
+    "over the data-parallel ranks: tensor_parallel(sg.fsdp(), plan, size=2)."
 )
 
 
@@ -134,16 +133,20 @@ def tensor_parallel(strategy: Strategy, plan: Plan, *, size: int = 2) -> Strateg
     the same batches. Gradients of the split layers are reduced by the
     DTensor operations themselves.
 
+    Any ``wrap`` composes that shards over ``ctx.data_mesh`` (``fsdp()``'s own,
+    or one of yours: modules grouped, resharding per group).
+
     Args:
-        strategy: an ``fsdp()`` strategy (any ``shard_size``: HSDP x TP on a 3-D mesh).
+        strategy: an ``fsdp()`` strategy (any ``shard_size``: HSDP x TP on a 3-D
+            mesh), its ``wrap`` possibly substituted.
         plan: module paths to ``ParallelStyle`` objects, or a function
             ``(module, tp_mesh) -> module``.
         size: ranks per tensor-parallel group; must divide the world.
 
     Raises:
         UsageError: ``strategy`` is not a `Strategy`, ``plan`` or ``size`` is malformed.
-        CombinatorError: ``strategy`` is not ``fsdp()`` (directly), or it is
-            already tensor parallel.
+        CombinatorError: ``strategy``'s setup builds no mesh (it is not
+            ``fsdp()``'s ``JoinMesh``, directly), or it is already tensor parallel.
     """
     check_strategy(strategy, "tensor_parallel")
     checked_plan = _check_plan(plan)
@@ -154,10 +157,8 @@ def tensor_parallel(strategy: Strategy, plan: Plan, *, size: int = 2) -> Strateg
             f"tensor_parallel: strategy {strategy.name!r} is already tensor parallel; "
             "apply it once."
         )
-    if not isinstance(setup, JoinMesh) or not isinstance(wrap, WrapFSDP):
-        raise CombinatorError(
-            NOT_ON_FSDP.format(name=strategy.name, setup=describe(setup), wrap=describe(wrap))
-        )
+    if not isinstance(setup, JoinMesh):
+        raise CombinatorError(NOT_ON_A_MESH.format(name=strategy.name, setup=describe(setup)))
     return attrs.evolve(
         strategy,
         name=f"{strategy.name}+tp{size}",

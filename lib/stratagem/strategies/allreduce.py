@@ -1,4 +1,4 @@
-"""``allreduce_grads()``: the Horovod way of training, as ``ddp()`` with four fields substituted.
+"""``allreduce_grads()``: the Horovod way of training, as ``ddp()`` with three fields substituted.
 
 No wrapper around the model. ``wrap`` moves it to the device and gives every
 rank rank 0's parameters and buffers; ``update`` averages the gradients over
@@ -15,64 +15,32 @@ world agrees on both without another all-reduce; then it waits for all.
 once, after the last micro-batch. If a gradient changed after it was sent
 (a second backward without ``no_sync``, a change in place), ``update``
 sends them all again, so the result is always that of averaging the
-gradients ``update`` finds. Setup, collectives, sharding, checkpoints and
-teardown are ``ddp()``'s own functions.
+gradients ``update`` finds. Everything else (setup, step, collectives,
+sharding, checkpoints, teardown) is ``ddp()``'s own.
 
 ``allreduce_grads_spawn(**options)`` is the same record with ``launch=Spawn()``.
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
-from typing import Any
+from typing import Any, Unpack
 
 import attrs
 import torch
 
-from stratagem import checkpoint, collectives, training
-from stratagem.arrivals import DEFAULT_TIMEOUT
+from stratagem import training
 from stratagem.collectives import is_distributed
-from stratagem.devices import DeviceSpec, check_device_spec
 from stratagem.env import Context, check_context
-from stratagem.launching import Spawn, in_place, spawned
-from stratagem.process_group import DEFAULT_JOIN_TIMEOUT, JoinProcessGroup, leave_process_group
-from stratagem.replicas import (
-    broadcast_optimizer_state,
-    broadcast_tensors,
-    check_same_layout,
-)
-from stratagem.sharding import shard_loader
-from stratagem.strategies.allreduce_buckets import (
-    COMPRESSIONS,
-    FIRST_BUCKET_MB,
-    Compression,
-    average_gradients,
-    backward_buckets,
-)
-from stratagem.strategies.allreduce_hooks import (
-    GradientHooks,
-    average_gradients_overlapped,
-    pause_hooks,
-)
+from stratagem.launching import Spawn, spawned
+from stratagem.process_group import WorldOptions
+from stratagem.replicas import broadcast_tensors, check_same_layout
+from stratagem.strategies.allreduce_buckets import COMPRESSIONS, Compression
+from stratagem.strategies.allreduce_hooks import average_gradients_overlapped, pause_hooks
+from stratagem.strategies.ddp import ddp
 from stratagem.strategy import Strategy
 from stratagem.validators import choice, positive_number
 
-__all__ = [
-    "COMPRESSIONS",
-    "FIRST_BUCKET_MB",
-    "AllreduceThenStep",
-    "Compression",
-    "GradientHooks",
-    "allreduce_grads",
-    "allreduce_grads_spawn",
-    "average_gradients",
-    "average_gradients_overlapped",
-    "backward_buckets",
-    "broadcast_module",
-    "broadcast_optimizer_state",
-    "check_same_layout",
-    "pause_hooks",
-]
+__all__ = ["AllreduceThenStep", "allreduce_grads", "allreduce_grads_spawn", "broadcast_module"]
 
 
 def broadcast_module(module: torch.nn.Module, ctx: Context) -> torch.nn.Module:
@@ -142,11 +110,7 @@ def allreduce_grads(
     *,
     bucket_mb: float = 25.0,
     compression: Compression | None = None,
-    device: DeviceSpec = "auto",
-    backend: str | None = None,
-    timeout: float | timedelta = timedelta(minutes=30),
-    arrival_timeout: float = DEFAULT_TIMEOUT,
-    join_timeout: float = DEFAULT_JOIN_TIMEOUT,
+    **world: Unpack[WorldOptions],
 ) -> Strategy:
     """Train the Horovod way: no wrapper, gradient hooks all-reduce buckets during backward.
 
@@ -166,17 +130,7 @@ def allreduce_grads(
             (the first bucket in backward order closes at `FIRST_BUCKET_MB`).
         compression: ``"bf16"`` or ``"fp16"`` sends 32/64-bit gradients as
             16-bit values; ``None`` sends them as they are.
-        device: ``"auto"`` (``cuda:LOCAL_RANK``, else CPU) or a device.
-        backend: ``None`` picks gloo on the CPU and ``"cpu:gloo,cuda:nccl"`` on
-            CUDA; or any string ``init_process_group`` takes, device mappings
-            included. Without a CPU backend (``"nccl"``), setup adds a gloo
-            group for CPU traffic (``ctx.cpu_group``).
-        timeout: seconds (or a ``timedelta``) that process-group init and every
-            collective wait before failing.
-        arrival_timeout: seconds that ``save``, ``load`` and ``barrier`` wait for every
-            rank to call them (see `ddp`).
-        join_timeout: seconds that setup waits for every rank to join the world;
-            a rank that never comes is a `LaunchError` naming it.
+        **world: how the ranks join their world (`WorldOptions`), as for `ddp`.
 
     Raises:
         UsageError: an option has the wrong type or value.
@@ -186,29 +140,12 @@ def allreduce_grads(
         >>> sg.allreduce_grads(bucket_mb=4, compression="bf16").update
         AllreduceThenStep(bucket_mb=4, compression='bf16')
     """
-    return Strategy(
+    return attrs.evolve(
+        ddp(**world),
         name="allreduce_grads",
-        launch=in_place,
-        setup=JoinProcessGroup(
-            device=check_device_spec(device),
-            backend=backend,
-            timeout=timeout,
-            arrival_timeout=arrival_timeout,
-            join_timeout=join_timeout,
-        ),
         wrap=broadcast_module,
-        step=training.step,
-        backward=training.backward,
         update=AllreduceThenStep(bucket_mb=bucket_mb, compression=compression),
         no_sync=pause_hooks,
-        reduce=collectives.reduce,
-        gather=collectives.gather,
-        broadcast=collectives.broadcast,
-        barrier=collectives.barrier,
-        shard=shard_loader,
-        save=checkpoint.save,
-        load=checkpoint.load,
-        teardown=leave_process_group,
     )
 
 

@@ -1,45 +1,32 @@
 """``ddp()``: DistributedDataParallel on the ranks of a world; ``ddp_spawn()`` = ``spawned(ddp())``.
 
-Every field is named in `ddp` below: the process group's setup and teardown
-(`stratagem.process_group`), the DDP wrapper and its ``no_sync`` (here), and the
-step, collectives and checkpoints every built-in shares.
+``ddp()`` is ``single_device()`` with five fields substituted: the process
+group's setup and teardown (`stratagem.process_group`), the DDP wrapper and its
+``no_sync`` (here), and the shard that gives each rank its part of the data.
 """
 
 from __future__ import annotations
 
 import warnings
 from contextlib import AbstractContextManager
-from datetime import timedelta
-from typing import Any
+from typing import Any, Unpack
 
 import attrs
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from stratagem import checkpoint, collectives, training
-from stratagem.arrivals import DEFAULT_TIMEOUT
-from stratagem.devices import DeviceSpec, check_device_spec
+from stratagem import training
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError
-from stratagem.launching import Spawn, in_place, spawned
-from stratagem.process_group import DEFAULT_JOIN_TIMEOUT, JoinProcessGroup, leave_process_group
+from stratagem.launching import Spawn, spawned
+from stratagem.process_group import WorldOptions, join_world, leave_process_group
 from stratagem.replicas import broadcast_tensors
 from stratagem.sharding import shard_loader
+from stratagem.strategies.single import single_device
 from stratagem.strategy import Strategy
 from stratagem.validators import a_bool, positive_number
 
-__all__ = [
-    "UNWRAPPED_UNDER_DDP",
-    "DDPOptions",
-    "JoinProcessGroup",
-    "WrapDDP",
-    "ddp",
-    "ddp_no_sync",
-    "ddp_spawn",
-    "leave_process_group",
-]
-
-UNWRAPPED_UNDER_DDP = training.UNWRAPPED_UNDER_DDP
+__all__ = ["DDPOptions", "WrapDDP", "ddp", "ddp_no_sync", "ddp_spawn"]
 
 _FLAG = a_bool("ddp({name}=...)")
 # DDP turns it into a byte count that its reducer holds in an int64: NaN, infinity and 2**43 MiB
@@ -104,12 +91,13 @@ class WrapDDP:
 
 
 def ddp_no_sync(module: torch.nn.Module, ctx: Context) -> AbstractContextManager[Any]:
-    """No-sync field: the wrapper's own ``no_sync``.
+    """No-sync field: the wrapper's own ``no_sync`` (under ``torch.compile`` too).
 
     Raises:
         UsageError: ``module`` is not the ``DistributedDataParallel`` that ``wrap`` returned.
     """
     check_context(ctx, "no_sync")
+    module = training.original_module(module)  # wrap's result, compiled or not
     if not isinstance(module, DistributedDataParallel):
         raise UsageError(
             f"no_sync: 'module' must be the module wrap returned (a DistributedDataParallel), "
@@ -120,74 +108,53 @@ def ddp_no_sync(module: torch.nn.Module, ctx: Context) -> AbstractContextManager
 
 def ddp(
     *,
-    device: DeviceSpec = "auto",
-    backend: str | None = None,
-    timeout: float | timedelta = timedelta(minutes=30),
-    arrival_timeout: float = DEFAULT_TIMEOUT,
-    join_timeout: float = DEFAULT_JOIN_TIMEOUT,
     find_unused_parameters: bool = False,
     gradient_as_bucket_view: bool = False,
     static_graph: bool = False,
     broadcast_buffers: bool = True,
     bucket_cap_mb: float | None = None,
+    **world: Unpack[WorldOptions],
 ) -> Strategy:
     """DistributedDataParallel on the ranks that torchrun or SLURM started (it runs in place).
 
+    ``ddp()`` is `single_device` with a world: it joins a process group, wraps
+    the module in ``DistributedDataParallel`` (whose ``no_sync`` it uses),
+    gives each rank its share of the data, and leaves the group at teardown.
     For ranks started here, use ``spawned(ddp())`` (alias `ddp_spawn`), the
     same record with a launch field that spawns.
 
     Args:
-        device: ``"auto"`` (``cuda:LOCAL_RANK``, else CPU) or a device.
-        backend: ``None`` picks gloo on the CPU and ``"cpu:gloo,cuda:nccl"`` on
-            CUDA; or any string ``init_process_group`` takes, device mappings
-            included. Without a CPU backend (``"nccl"``), setup adds a gloo
-            group for CPU traffic (``ctx.cpu_group``).
-        timeout: seconds (or a ``timedelta``) that process-group init and every
-            collective wait before failing.
-        arrival_timeout: seconds that ``save``, ``load`` and ``barrier`` wait
-            for every rank to call them before raising `CollectiveCallError`
-            (the mark of a call made on some ranks only).
         find_unused_parameters: passed to ``DistributedDataParallel``.
         gradient_as_bucket_view: passed to ``DistributedDataParallel``.
         static_graph: passed to ``DistributedDataParallel``.
         broadcast_buffers: passed to ``DistributedDataParallel``.
         bucket_cap_mb: passed to ``DistributedDataParallel`` (``None``: its default).
-        join_timeout: seconds that setup waits for every rank to join the world;
-            a rank that never comes is a `LaunchError` naming it.
+        **world: how the ranks join their world (`WorldOptions`: ``device``,
+            ``backend``, ``timeout``, ``arrival_timeout``, ``join_timeout``),
+            documented on `JoinProcessGroup`.
 
     Raises:
         UsageError: an option has the wrong type or value.
+
+    Example:
+        >>> import stratagem as sg
+        >>> sg.ddp(device="cpu", bucket_cap_mb=8).wrap
+        WrapDDP(options=DDPOptions(..., bucket_cap_mb=8))
     """
-    return Strategy(
+    options = DDPOptions(
+        find_unused_parameters=find_unused_parameters,
+        gradient_as_bucket_view=gradient_as_bucket_view,
+        static_graph=static_graph,
+        broadcast_buffers=broadcast_buffers,
+        bucket_cap_mb=bucket_cap_mb,
+    )
+    return attrs.evolve(
+        single_device(),
         name="ddp",
-        launch=in_place,
-        setup=JoinProcessGroup(
-            device=check_device_spec(device),
-            backend=backend,
-            timeout=timeout,
-            arrival_timeout=arrival_timeout,
-            join_timeout=join_timeout,
-        ),
-        wrap=WrapDDP(
-            DDPOptions(
-                find_unused_parameters=find_unused_parameters,
-                gradient_as_bucket_view=gradient_as_bucket_view,
-                static_graph=static_graph,
-                broadcast_buffers=broadcast_buffers,
-                bucket_cap_mb=bucket_cap_mb,
-            )
-        ),
-        step=training.step,
-        backward=training.backward,
-        update=training.update,
+        setup=join_world("ddp", world),
+        wrap=WrapDDP(options),
         no_sync=ddp_no_sync,
-        reduce=collectives.reduce,
-        gather=collectives.gather,
-        broadcast=collectives.broadcast,
-        barrier=collectives.barrier,
         shard=shard_loader,
-        save=checkpoint.save,
-        load=checkpoint.load,
         teardown=leave_process_group,
     )
 

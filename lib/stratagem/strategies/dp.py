@@ -15,12 +15,10 @@ import attrs
 import torch
 from torch.nn.parallel import DataParallel
 
-from stratagem import checkpoint, collectives, training
+from stratagem import training
 from stratagem.env import Context, Env, check_env
 from stratagem.errors import LaunchError, UsageError, describe
-from stratagem.launching import in_place
-from stratagem.process_group import leave
-from stratagem.sharding import keep_loader
+from stratagem.strategies.single import single_device
 from stratagem.strategy import Strategy
 from stratagem.validators import is_int
 
@@ -115,21 +113,9 @@ def dp(*, device_ids: Sequence[int] | None = None) -> Strategy:
     """
     ids = _device_ids(device_ids)
     # Replicas' gradients are summed in backward: no_sync has nothing to defer, as on one device.
-    return Strategy(
+    return attrs.evolve(
+        single_device(),
         name="dp",
-        launch=in_place,
         setup=UseDataParallelDevices(ids),
         wrap=WrapDataParallel(ids),
-        step=training.step,
-        backward=training.backward,
-        update=training.update,
-        no_sync=training.no_sync,
-        reduce=collectives.reduce,
-        gather=collectives.gather,
-        broadcast=collectives.broadcast,
-        barrier=collectives.barrier,
-        shard=keep_loader,
-        save=checkpoint.save,
-        load=checkpoint.load,
-        teardown=leave,
     )

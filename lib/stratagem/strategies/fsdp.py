@@ -1,10 +1,10 @@
 """``fsdp()`` and ``fsdp_spawn()``: fully sharded data parallel on ``fully_shard`` (FSDP2).
 
 ``fsdp()`` is ``ddp()`` with four fields substituted: ``setup`` joins the
-process group and adds a device mesh to ``ctx.extras["mesh"]``, ``wrap``
-shards the module bottom-up as a policy says, ``no_sync`` turns off gradient
-synchronisation, ``update`` checks that the optimizer holds the sharded
-parameters. ``fsdp_spawn()`` differs from ``fsdp()`` by its launch field only.
+process group as ``ddp()`` does and adds a device mesh to ``ctx.extras["mesh"]``,
+``wrap`` shards the module bottom-up as a policy says, ``no_sync`` turns off
+gradient synchronisation, ``update`` checks that the optimizer holds the
+sharded parameters. ``fsdp_spawn()`` differs from ``fsdp()`` by its launch field only.
 
 ``torch.distributed.fsdp`` takes over a second to import, so it is imported
 where it is used, never by ``import stratagem``.
@@ -15,56 +15,26 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Unpack, cast
 
 import attrs
 import torch
 
-from stratagem import checkpoint, collectives, training
-from stratagem.arrivals import DEFAULT_TIMEOUT
-from stratagem.devices import DeviceSpec, check_device_spec
+from stratagem import training
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError
-from stratagem.launching import Spawn, in_place, spawned
-from stratagem.meshes import JoinMesh, ShardSize, device_mesh, mesh_shape
-from stratagem.process_group import DEFAULT_JOIN_TIMEOUT, JoinProcessGroup, leave_process_group
-from stratagem.sharding import shard_loader
-from stratagem.strategies.fsdp_units import (
-    AboveParameters,
-    EveryModuleOf,
-    ShardPolicy,
-    WrapFSDP,
-    above_parameters,
-    every_module_of,
-    is_sharded,
-)
+from stratagem.launching import Spawn, spawned
+from stratagem.meshes import JoinMesh, ShardSize
+from stratagem.process_group import JoinProcessGroup, WorldOptions
+from stratagem.strategies.ddp import ddp
+from stratagem.strategies.fsdp_units import ShardPolicy, WrapFSDP, is_sharded
 from stratagem.strategy import Strategy
-from stratagem.training import clip_grad_norm
 from stratagem.validators import is_int, require
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-__all__ = [
-    "OPTIMIZER_BEFORE_WRAP",
-    "AboveParameters",
-    "EveryModuleOf",
-    "JoinMesh",
-    "ShardPolicy",
-    "ShardSize",
-    "WrapFSDP",
-    "above_parameters",
-    "clip_grad_norm",
-    "device_mesh",
-    "every_module_of",
-    "fsdp",
-    "fsdp_no_sync",
-    "fsdp_spawn",
-    "fsdp_update",
-    "hsdp",
-    "mesh_shape",
-]
+__all__ = ["OPTIMIZER_BEFORE_WRAP", "fsdp", "fsdp_no_sync", "fsdp_spawn", "fsdp_update", "hsdp"]
 
 OPTIMIZER_BEFORE_WRAP = (
     "update: the optimizer holds a parameter that is not sharded ({what}): it was built "
@@ -115,6 +85,7 @@ def fsdp_no_sync(module: torch.nn.Module, ctx: Context) -> contextlib.AbstractCo
         UsageError: ``module`` is not the sharded module that ``wrap`` returned.
     """
     check_context(ctx, "no_sync")
+    module = training.original_module(module)  # wrap's result, compiled or not
     if not is_sharded(module):
         raise UsageError(
             f"no_sync: 'module' must be the module wrap returned (an FSDPModule), "
@@ -131,11 +102,7 @@ def fsdp(
     shard_size: ShardSize = "world",
     sync_module_states: bool = True,
     offload: bool = False,
-    device: DeviceSpec = "auto",
-    backend: str | None = None,
-    timeout: float | timedelta = timedelta(minutes=30),
-    arrival_timeout: float = DEFAULT_TIMEOUT,
-    join_timeout: float = DEFAULT_JOIN_TIMEOUT,
+    **world: Unpack[WorldOptions],
 ) -> Strategy:
     """Fully sharded data parallel (``fully_shard``) on the ranks torchrun or SLURM started.
 
@@ -160,33 +127,16 @@ def fsdp(
             rank's own initialisation (the caller guarantees they agree).
         offload: keep sharded parameters, gradients and optimizer state in host
             memory between uses (FSDP2's ``CPUOffloadPolicy``; pinned on CUDA).
-        device: ``"auto"`` (``cuda:LOCAL_RANK``, else CPU) or a device.
-        backend: ``None`` picks gloo on the CPU and ``"cpu:gloo,cuda:nccl"`` on
-            CUDA; or any string ``init_process_group`` takes, device mappings
-            included. Without a CPU backend (``"nccl"``), setup adds a gloo
-            group for CPU traffic (``ctx.cpu_group``).
-        timeout: seconds (or a ``timedelta``) for process-group init and collectives.
-        arrival_timeout: seconds that ``save``, ``load`` and ``barrier`` wait for every
-            rank to call them (see `ddp`).
-        join_timeout: seconds that setup waits for every rank to join the world;
-            a rank that never comes is a `LaunchError` naming it.
+        **world: how the ranks join their world (`WorldOptions`), as for `ddp`.
 
     Raises:
         UsageError: an option has the wrong type or value.
     """
-    return Strategy(
+    base = ddp(**world)
+    return attrs.evolve(
+        base,
         name="fsdp",
-        launch=in_place,
-        setup=JoinMesh(
-            join=JoinProcessGroup(
-                device=check_device_spec(device),
-                backend=backend,
-                timeout=timeout,
-                arrival_timeout=arrival_timeout,
-                join_timeout=join_timeout,
-            ),
-            shard_size=shard_size,
-        ),
+        setup=JoinMesh(join=cast(JoinProcessGroup, base.setup), shard_size=shard_size),
         wrap=WrapFSDP(
             shard_when=shard_when,
             reshard_after_forward=reshard_after_forward,
@@ -194,18 +144,8 @@ def fsdp(
             sync_module_states=sync_module_states,
             offload=offload,
         ),
-        step=training.step,
-        backward=training.backward,
-        update=fsdp_update,
         no_sync=fsdp_no_sync,
-        reduce=collectives.reduce,
-        gather=collectives.gather,
-        broadcast=collectives.broadcast,
-        barrier=collectives.barrier,
-        shard=shard_loader,
-        save=checkpoint.save,
-        load=checkpoint.load,
-        teardown=leave_process_group,
+        update=fsdp_update,
     )
 
 

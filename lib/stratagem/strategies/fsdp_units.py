@@ -20,8 +20,8 @@ import torch
 
 from stratagem.collectives import group_for, is_distributed
 from stratagem.env import Context, check_context
-from stratagem.errors import UsageError, describe
-from stratagem.meshes import data_mesh
+from stratagem.errors import CombinatorError, UsageError, describe
+from stratagem.precisions import BATCH_NORMS, precision_of
 from stratagem.replicas import check_same_layout
 from stratagem.validators import a_bool, callable_field, field, is_int, non_negative_int, require
 
@@ -219,8 +219,7 @@ class WrapFSDP:
             raise UsageError(
                 f"wrap: {type(module).__name__} is already sharded; wrap the plain module once."
             )
-        mesh = check_context(ctx, "wrap").extras.get("mesh")
-        if mesh is None:
+        if check_context(ctx, "wrap").mesh is None:
             raise UsageError(
                 "wrap: ctx.extras has no 'mesh'; pass the Context that fsdp().setup returned, "
                 "or add one: ctx.with_extras(mesh=device_mesh(ctx))."
@@ -230,21 +229,22 @@ class WrapFSDP:
             _copy_rank_zeros_states(module, ctx)
         # Under tensor parallelism the model's parts are already spread over "tp": shard over
         # the data-parallel dimensions only.
-        options: dict[str, Any] = {"mesh": data_mesh(mesh)}
+        options: dict[str, Any] = {"mesh": ctx.data_mesh}
         if self.reshard_after_forward is not None:  # None: torch's default for root and children
             options["reshard_after_forward"] = self.reshard_after_forward
-        if self.mp_policy is not None:
-            options["mp_policy"] = self.mp_policy
+        policy = self._policy(ctx)
+        if policy is not None:
+            options["mp_policy"] = policy
         if self.offload:
             from torch.distributed.fsdp import CPUOffloadPolicy
 
             # Pinned host memory speeds copies to a GPU; a CPU-only machine has none to pin.
             options["offload_policy"] = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda")
-        if self.mp_policy is not None and self.mp_policy.param_dtype not in (None, torch.float32):
+        if policy is not None and policy.param_dtype not in (None, torch.float32):
             # BatchNorm keeps float32 statistics, which batch_norm does not mix with a
             # low-precision weight: each one is a group of its own, computed in float32.
-            exact = dataclasses.replace(self.mp_policy, param_dtype=torch.float32)
-            for norm in [m for m in _bottom_up(module) if isinstance(m, _BATCH_NORMS)]:
+            exact = dataclasses.replace(policy, param_dtype=torch.float32)
+            for norm in [m for m in _bottom_up(module) if isinstance(m, BATCH_NORMS)]:
                 fully_shard(norm, **{**options, "mp_policy": exact})
         if self.shard_when is not None:
             # Post-order: a policy sees a module after its chosen descendants are sharded.
@@ -253,6 +253,20 @@ class WrapFSDP:
                     fully_shard(child, **options)
         fully_shard(module, **options)
         return module
+
+    def _policy(self, ctx: Context) -> MixedPrecisionPolicy | None:
+        """Return ``mp_policy``, or the run's precision's (`precision_of`); never both."""
+        state = precision_of(ctx)
+        wanted = None if state is None else state.fsdp_policy()
+        if state is None or wanted is None:
+            return self.mp_policy
+        if self.mp_policy is not None:
+            raise CombinatorError(
+                f"wrap: precision {state.precision!r} sets FSDP's mixed precision policy, "
+                f"but this fsdp wrap already has mp_policy={self.mp_policy!r}; pass either "
+                "fsdp(mp_policy=...) or with_precision, not both."
+            )
+        return wanted
 
 
 def _copy_rank_zeros_states(module: torch.nn.Module, ctx: Context) -> None:
@@ -289,14 +303,6 @@ def _copy_rank_zeros_states(module: torch.nn.Module, ctx: Context) -> None:
             dist.broadcast(travelling, src=0, group=group_for(travelling, ctx))
             if ctx.rank != 0:
                 tensor.copy_(travelling)
-
-
-_BATCH_NORMS = (
-    torch.nn.BatchNorm1d,
-    torch.nn.BatchNorm2d,
-    torch.nn.BatchNorm3d,
-    torch.nn.SyncBatchNorm,
-)
 
 
 def _decide(policy: ShardPolicy, module: torch.nn.Module) -> bool:

@@ -1,29 +1,27 @@
 """``pipeline()``: pipeline parallelism, with ``torch.distributed.pipelining``'s schedules.
 
-Every field is named in `pipeline` below: the mesh's setup (`JoinPipeline`,
-here), the split and the schedule (`stratagem.strategies.pipeline_stages`),
-the step that runs the schedule and the update that averages data-parallel
-replicas (`stratagem.strategies.pipeline_step`), and the collectives, shard and
-checkpoints every built-in shares. docs/pipeline.md explains why a pipeline's
+``pipeline()`` is ``ddp()`` with six fields substituted: the mesh's setup
+(`JoinPipeline`, here), the split and the schedule as ``wrap``
+(`stratagem.strategies.pipeline_stages`), the step that runs the schedule (and
+so the backward, which ``backward`` only checks), the update that averages
+data-parallel replicas and the ``no_sync`` that defers it
+(`stratagem.strategies.pipeline_step`). Collectives, shard, checkpoints and
+teardown are ``ddp()``'s. docs/pipeline.md explains why a pipeline's
 ``step`` runs the backward too and the training loop stays that of ``ddp()``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import timedelta
+from typing import Unpack, cast
 
 import attrs
 
-from stratagem import checkpoint, collectives
-from stratagem.arrivals import DEFAULT_TIMEOUT
-from stratagem.devices import DeviceSpec, check_device_spec
 from stratagem.env import Context, Env, check_env
 from stratagem.errors import UsageError
 from stratagem.fields import BackwardInStep, SetupFn
-from stratagem.launching import in_place
-from stratagem.process_group import DEFAULT_JOIN_TIMEOUT, JoinProcessGroup, leave_process_group
-from stratagem.sharding import shard_loader
+from stratagem.process_group import JoinProcessGroup, WorldOptions
+from stratagem.strategies.ddp import ddp
 from stratagem.strategies.pipeline_schedules import (
     SCHEDULES,
     ScheduleName,
@@ -145,11 +143,7 @@ def pipeline(
     schedule: ScheduleName = "1f1b",
     microbatches: int,
     size: int | None = None,
-    device: DeviceSpec = "auto",
-    backend: str | None = None,
-    timeout: float | timedelta = timedelta(minutes=30),
-    arrival_timeout: float = DEFAULT_TIMEOUT,
-    join_timeout: float = DEFAULT_JOIN_TIMEOUT,
+    **world: Unpack[WorldOptions],
 ) -> Strategy:
     """Pipeline parallelism on the ranks that torchrun or SLURM started (``spawned(...)`` here).
 
@@ -170,14 +164,8 @@ def pipeline(
         microbatches: micro-batches per step; must divide every batch.
         size: ranks per pipeline; ``None`` for all. A smaller size gives a
             ``("dp", "pp")`` mesh of ``world / size`` data-parallel pipelines.
-        device: ``"auto"`` (``cuda:LOCAL_RANK``, else CPU) or a device.
-        backend: ``None`` picks gloo on the CPU and ``"cpu:gloo,cuda:nccl"`` on
-            CUDA; or any string ``init_process_group`` takes, device mappings
-            included. Without a CPU backend (``"nccl"``), setup adds a gloo
-            group for CPU traffic (``ctx.cpu_group``).
-        timeout: seconds (or a ``timedelta``) every collective and transfer waits.
-        arrival_timeout: seconds ``save``, ``load`` and ``barrier`` wait for every rank.
-        join_timeout: seconds setup waits for every rank to join.
+        **world: how the ranks join their world (`WorldOptions`), as for
+            `ddp`; ``timeout`` also bounds every transfer between stages.
 
     Raises:
         UsageError: an argument has the wrong type or value (an unknown
@@ -198,17 +186,12 @@ def pipeline(
     if size is not None and not callable(split):
         check_stage_count(schedule, len(split), size)
         check_microbatches(schedule, microbatches, len(split), size)
-    return Strategy(
+    base = ddp(**world)
+    return attrs.evolve(
+        base,
         name=f"pipeline-{schedule}",
-        launch=in_place,
         setup=JoinPipeline(
-            join=JoinProcessGroup(
-                device=check_device_spec(device),
-                backend=backend,
-                timeout=timeout,
-                arrival_timeout=arrival_timeout,
-                join_timeout=join_timeout,
-            ),
+            join=cast(JoinProcessGroup, base.setup),
             schedule=schedule,
             stages=None if callable(split) else len(split),
             microbatches=microbatches,
@@ -219,12 +202,4 @@ def pipeline(
         backward=BackwardInStep(pipeline_backward, microbatches),
         update=pipeline_update,
         no_sync=pipeline_no_sync,
-        reduce=collectives.reduce,
-        gather=collectives.gather,
-        broadcast=collectives.broadcast,
-        barrier=collectives.barrier,
-        shard=shard_loader,
-        save=checkpoint.save,
-        load=checkpoint.load,
-        teardown=leave_process_group,
     )

@@ -23,6 +23,7 @@ import torch
 
 from stratagem.combinators._base import applied, peel, rebased
 from stratagem.combinators.accumulation import AccumulationSetup
+from stratagem.combinators.precision import PrecisionSetup
 from stratagem.combinators.tensor_parallel import TensorParallelWrap
 from stratagem.combinators.tracing import Traced
 from stratagem.strategies.ddp import WrapDDP
@@ -80,7 +81,12 @@ def undistributed(strategy: StrategyLike, *, every: int | None = None) -> Strate
 def _norms_in_float32(strategy: StrategyLike) -> bool:
     """Whether ``strategy``'s fsdp wrap computes BatchNorm in float32 under a low ``mp_policy``."""
     fsdp = applied(strategy, WrapFSDP)
-    param_dtype = getattr(getattr(fsdp, "mp_policy", None), "param_dtype", None)
+    if fsdp is None:
+        return False
+    param_dtype = getattr(fsdp.mp_policy, "param_dtype", None)
+    if param_dtype is None:  # a mixed precision gives fsdp its policy at wrap, from the context
+        precision = applied(strategy, PrecisionSetup)
+        param_dtype = precision.dtype if precision is not None and precision.mixed else None
     return param_dtype is not None and param_dtype != torch.float32
 
 
