@@ -57,6 +57,35 @@ def test_update_refuses_an_optimizer_over_another_modules_parameters(single) -> 
     assert torch.equal(model.weight, before)
 
 
+@pytest.mark.parametrize(
+    "combine",
+    [
+        lambda s: sg.with_clipping(s, max_norm=1.0),
+        lambda s: sg.with_clipping(s, max_value=0.5),
+        lambda s: sg.with_precision(s, "16-mixed"),
+        lambda s: sg.accumulate(s, 2),
+    ],
+    ids=["clip-norm", "clip-value", "16-mixed", "accumulate"],
+)
+def test_combinators_refuse_an_optimizer_over_another_module_too(combine) -> None:
+    # Siblings: with_clipping's fast path stepped the optimizer without the check.
+    strategy = combine(sg.single_device("cpu"))
+    ctx = strategy.setup(sg.Env())
+    try:
+        model = strategy.wrap(torch.nn.Linear(3, 2), ctx)
+        optimizer = torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1)
+        before = model.weight.detach().clone()
+        for _ in range(2):  # accumulate(2) steps on the second update
+            strategy.backward(
+                strategy.step(model, torch.ones(4, 3), ctx, forward=loss_of), model, ctx
+            )
+            with pytest.raises(sg.UsageError, match="holds none of the parameters"):
+                strategy.update(optimizer, model, ctx)
+        assert torch.equal(model.weight, before)
+    finally:
+        strategy.teardown(ctx)
+
+
 def test_update_accepts_a_frozen_part_param_groups_and_extra_parameters(single) -> None:
     strategy, ctx = single
     model = strategy.wrap(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2)), ctx)
@@ -199,3 +228,26 @@ def test_two_ranks_refuse_a_context_of_their_earlier_world() -> None:
     strategy = sg.ddp_spawn(device="cpu", join_timeout=20)
     results = sg.launch(stale_reduce, strategy, devices=2, args=(free_port(),))
     assert results == [STALE_CONTEXT.format(function="reduce")] * 2
+
+
+def test_pipeline_update_refuses_an_optimizer_over_another_module() -> None:
+    # A sibling of fsdp's case (issue 40): pipeline()'s update stepped any optimizer.
+    strategy = sg.pipeline(stages=[["0", "1"]], microbatches=2, device="cpu")
+    ctx = strategy.setup(sg.Env())
+    try:
+        model = strategy.wrap(
+            torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)), ctx
+        )
+        other = torch.optim.SGD(torch.nn.Linear(3, 4).parameters(), lr=0.1)
+        batch = (torch.randn(4, 3), torch.randn(4, 2))
+
+        def forward(module, micro_batch):
+            inputs, targets = micro_batch
+            return torch.nn.functional.mse_loss(module(inputs), targets)
+
+        strategy.backward(strategy.step(model, batch, ctx, forward=forward), model, ctx)
+        with pytest.raises(sg.UsageError, match="holds none of the parameters"):
+            strategy.update(other, model, ctx)
+        strategy.update(torch.optim.SGD(model.parameters(), lr=0.1), model, ctx)
+    finally:
+        strategy.teardown(ctx)

@@ -23,7 +23,7 @@ from stratagem.fields import (
     UpdateFn,
 )
 from stratagem.strategy import Strategy
-from stratagem.training import check_loss, check_module, check_optimizer
+from stratagem.training import check_loss, check_module, check_optimizer, check_optimizer_holds
 from stratagem.validators import is_int, require
 
 __all__ = ["AccumulationState", "Every", "Normalize", "accumulate"]
@@ -149,6 +149,7 @@ class AccumulationUpdate:
         self, optimizer: torch.optim.Optimizer, module: torch.nn.Module, ctx: Context
     ) -> None:
         check_optimizer(optimizer, "update")  # every call: a bad one fails at once, not at N
+        check_optimizer_holds(optimizer, module, "update")  # a lookup once the pair is known
         state = _state(ctx, "update")
         if state.index % state.every == 0:
             self.inner(optimizer, module, ctx)

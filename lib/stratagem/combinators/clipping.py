@@ -22,7 +22,7 @@ from stratagem.fields import SetupFn, UpdateFn
 from stratagem.parts import part_of
 from stratagem.precisions import precision_of
 from stratagem.strategy import Strategy
-from stratagem.training import check_optimizer, clip_norm_, update
+from stratagem.training import check_optimizer, check_optimizer_holds, clip_norm_, update
 from stratagem.validators import is_number, require
 
 __all__ = ["ClipState", "with_clipping"]
@@ -92,6 +92,7 @@ class ClipUpdate:
         if self.inner is update:
             # The plain update is step, then zero_grad: clipping before it is clipping inside
             # its step, without a hook around the optimizer (a tenth of a tiny step's time).
+            check_optimizer_holds(optimizer, module, "update")  # as update does
             self.clip(optimizer, module, ctx)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
