@@ -376,6 +376,24 @@ def test_wrap_needs_the_mesh_of_fsdp_setup():
         sg.fsdp(device="cpu").wrap(nested_model(), ctx)
 
 
+@pytest.mark.parametrize("value", [2, 3, 10**30])
+def test_a_reshard_size_that_does_not_divide_the_shard_group_is_named_at_wrap(value):
+    # Reported (issue 40's round): torch's raw ValueError from inside fully_shard.
+    strategy = sg.fsdp(device="cpu", reshard_after_forward=value)
+    ctx = strategy.setup(sg.Env())  # a world of one: a shard group of 1
+    try:
+        model = nested_model()
+        with pytest.raises(sg.UsageError) as caught:
+            strategy.wrap(model, ctx)
+        assert str(caught.value) == (
+            f"wrap: fsdp(reshard_after_forward={value}) must divide the shard group's size, 1 "
+            "rank(s) here; pass a factor of it, True or False."
+        )
+        assert not sg.strategies.fsdp_units.is_sharded(model)  # nothing was done
+    finally:
+        strategy.teardown(ctx)
+
+
 def test_no_sync_needs_the_wrapped_module():
     ctx = sg.single_device("cpu").setup(sg.Env())
     with pytest.raises(

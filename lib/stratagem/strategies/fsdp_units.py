@@ -224,6 +224,13 @@ class WrapFSDP:
                 "wrap: ctx.extras has no 'mesh'; pass the Context that fsdp().setup returned, "
                 "or add one: ctx.with_extras(mesh=device_mesh(ctx))."
             )
+        reshard = self.reshard_after_forward
+        shard_size = ctx.data_mesh.shape[-1]  # HSDP shards over the last data dimension
+        if is_int(reshard, 2) and shard_size % reshard:  # refused before anything is changed
+            raise UsageError(
+                f"wrap: fsdp(reshard_after_forward={reshard}) must divide the shard group's "
+                f"size, {shard_size} rank(s) here; pass a factor of it, True or False."
+            )
         if self.sync_module_states:
             # Shards of different initialisations would stitch together a model no rank built.
             _copy_rank_zeros_states(module, ctx)
