@@ -31,10 +31,6 @@ FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", flags=re.S | re.M)
 # Printed by the page's script between its blocks, so that each block's output is known.
 MARK = "--- stratagem docs test: block {} ---"
 
-# Pages that print without showing it yet. Each owner's next edit of the page adds the
-# ```output blocks and removes the page from here; every other page must show what it prints.
-NOT_YET_SHOWN = {"checkpoints.md", "combinators.md", "faults.md", "strategies.md", "testing.md"}
-
 
 def fenced_blocks(path: Path) -> list[tuple[str, str]]:
     """Every fenced block of a page, in order, as (info string's first word, text)."""
@@ -218,7 +214,7 @@ def test_python_blocks_run_and_print_what_the_page_shows(path, tmp_path):
             assert matches_shown_output(shown, output), (
                 f"{where} prints what its ```output block does not show:\n{output}"
             )
-        elif path.name not in NOT_YET_SHOWN:
+        else:
             assert not output.strip(), (
                 f"{where} prints, but no ```output block after it shows what:\n{output}"
             )
