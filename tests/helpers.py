@@ -102,6 +102,15 @@ def make_inputs(
     return [torch.randn(size, features, generator=generator) for _ in range(steps)]
 
 
+def filled_linear(value: float) -> torch.nn.Linear:
+    """A ``Linear(4, 4)`` with every weight ``value`` and every bias ``-value``."""
+    model = torch.nn.Linear(4, 4)
+    with torch.no_grad():
+        model.weight.fill_(value)
+        model.bias.fill_(-value)
+    return model
+
+
 def local_ctx() -> sg.Context:
     """The CPU context of a plain process (``Env()``), without a process group."""
     return sg.Context(env=sg.Env(), device=torch.device("cpu"))

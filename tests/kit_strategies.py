@@ -664,6 +664,27 @@ class RescaledEarlierStep:
         return loss
 
 
+def mse(model, batch):
+    """A forward for ``(inputs, targets)`` batches: the mean squared error."""
+    inputs, targets = batch
+    return torch.nn.functional.mse_loss(model(inputs), targets)
+
+
+def pairs(rows=8):
+    """An ``(inputs, targets)`` batch of ``rows`` rows, the same every call."""
+    generator = torch.Generator().manual_seed(3)
+    return torch.randn(rows, 6, generator=generator), torch.randn(rows, 2, generator=generator)
+
+
+def five_layers():
+    """Linear, Tanh, Linear, Tanh, Linear: two parameter-free modules a stage list can lose."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+        torch.nn.Linear(16, 2),
+    )  # fmt: skip
+
+
 def averaging_pipeline(stages, microbatches=2):
     base = sg.pipeline(
         stages=stages, schedule="1f1b", microbatches=microbatches, timeout=60, device="cpu"

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import stratagem as sg
+from helpers import filled_linear
 from stratagem.errors import CheckpointError
 from stratagem.testing import World
 
@@ -24,16 +25,8 @@ def single() -> sg.Context:
     return sg.single_device("cpu").setup(sg.Env())
 
 
-def model_of(value: float) -> torch.nn.Linear:
-    model = torch.nn.Linear(4, 4)
-    with torch.no_grad():
-        model.weight.fill_(value)
-        model.bias.fill_(-value)
-    return model
-
-
 def trained(value: float, steps: int = 1) -> tuple[torch.nn.Linear, torch.optim.Optimizer]:
-    model = model_of(value)
+    model = filled_linear(value)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     for _ in range(steps):
         model(torch.ones(2, 4)).sum().backward()
@@ -187,7 +180,7 @@ def test_a_load_that_succeeds_still_loads_everything(tmp_path):
 
 
 def wrapped_and_trained(strategy, ctx, value: float, steps: int):
-    model = strategy.wrap(model_of(value), ctx)
+    model = strategy.wrap(filled_linear(value), ctx)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     for _ in range(steps):
         strategy.backward(strategy.step(model, torch.ones(2, 4), ctx).sum(), model, ctx)

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import stratagem as sg
+from helpers import filled_linear
 from stratagem.checkpoint import directory
 from stratagem.errors import CheckpointError, UsageError
 from stratagem.testing import World
@@ -31,16 +32,8 @@ def world():
         yield world
 
 
-def model_of(value: float) -> torch.nn.Linear:
-    model = torch.nn.Linear(4, 4)
-    with torch.no_grad():
-        model.weight.fill_(value)
-        model.bias.fill_(-value)
-    return model
-
-
 def save_colliding(strategy, ctx, path: str) -> tuple[str, float]:
-    model = strategy.wrap(model_of(1), ctx)
+    model = strategy.wrap(filled_linear(1), ctx)
     started = time.monotonic()
     try:
         strategy.save(path, {"model": model, "model.weight": 3}, ctx)
@@ -58,13 +51,13 @@ def test_dotted_name_collisions_are_refused_on_every_rank_with_nothing_written(w
 
 
 def save_sharded(strategy, ctx, path: str) -> None:
-    strategy.save(path, {"model": strategy.wrap(model_of(5), ctx)}, ctx)
+    strategy.save(path, {"model": strategy.wrap(filled_linear(5), ctx)}, ctx)
 
 
 def load_sharded(strategy, ctx, path: str) -> tuple[str, bool]:
     from torch.distributed.tensor import DTensor
 
-    model = strategy.wrap(model_of(3), ctx)
+    model = strategy.wrap(filled_linear(3), ctx)
     try:
         strategy.load(path, {"model": model}, ctx)
     except CheckpointError as error:
@@ -96,7 +89,7 @@ def test_metadata_leaving_one_rank_s_shard_uncovered_is_refused_on_every_rank(wo
 
 
 def save_beside_leftovers(strategy, ctx, directory_: str) -> None:
-    model = strategy.wrap(model_of(2), ctx)
+    model = strategy.wrap(filled_linear(2), ctx)
     strategy.save(os.path.join(directory_, "step_2"), {"model": model}, ctx)
 
 

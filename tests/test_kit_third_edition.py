@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 import kit_strategies
 import stratagem as sg
-from kit_strategies import EpochLoader
+from kit_strategies import EpochLoader, five_layers, mse, pairs
 from stratagem import training
 from stratagem.checkpoint import directory
 from stratagem.testing import Contract, LawViolation, World, check_all, laws
@@ -142,31 +142,15 @@ def test_a_failed_run_with_a_save_in_flight_does_not_fail_the_next_check(tmp_pat
 # --- (inputs, targets) batches, forward=, and pipelines -----------------------------------------
 
 
-def mse(model, batch):
-    inputs, targets = batch
-    return torch.nn.functional.mse_loss(model(inputs), targets)
-
-
-def pairs(rows=8):
-    generator = torch.Generator().manual_seed(3)
-    return torch.randn(rows, 6, generator=generator), torch.randn(rows, 2, generator=generator)
-
-
-def make_mlp():
-    torch.manual_seed(0)
-    layers: list[torch.nn.Module] = []
-    for inputs, outputs in ((6, 16), (16, 16)):
-        layers += [torch.nn.Linear(inputs, outputs), torch.nn.Tanh()]
-    return torch.nn.Sequential(*layers, torch.nn.Linear(16, 2))
-
-
 def test_purity_takes_an_inputs_targets_batch(stratagem_world):
-    laws.check_purity(sg.ddp(device="cpu"), make_mlp(), pairs(), world=stratagem_world, forward=mse)
+    laws.check_purity(
+        sg.ddp(device="cpu"), five_layers(), pairs(), world=stratagem_world, forward=mse
+    )
 
 
 def test_check_all_takes_forward_for_inputs_targets_batches(stratagem_world, tmp_path):
     report = check_all(
-        sg.ddp(device="cpu"), world=stratagem_world, module=make_mlp(), batch=pairs(),
+        sg.ddp(device="cpu"), world=stratagem_world, module=five_layers(), batch=pairs(),
         forward=mse, directory=tmp_path,
     )  # fmt: skip
     assert {"data-parallel-step", "accumulation", "purity", "checkpoint-round-trip"} <= set(
@@ -180,7 +164,7 @@ STAGES = (("0", "1", "2"), ("3", "4"))
 def test_a_correct_pipeline_passes_check_all(stratagem_world, tmp_path):
     strategy = sg.pipeline(stages=STAGES, schedule="1f1b", microbatches=2, timeout=60, device="cpu")
     report = check_all(
-        strategy, world=stratagem_world, module=make_mlp(), batch=pairs(), forward=mse,
+        strategy, world=stratagem_world, module=five_layers(), batch=pairs(), forward=mse,
         directory=tmp_path,
     )  # fmt: skip
     assert {
@@ -195,7 +179,7 @@ def test_two_pipeline_replicas_pass_check_all(stratagem_world_of, tmp_path):
         stages=STAGES, schedule="1f1b", microbatches=2, size=2, timeout=60, device="cpu"
     )
     report = check_all(
-        strategy, world=stratagem_world_of(4), module=make_mlp(), batch=pairs(16), forward=mse,
+        strategy, world=stratagem_world_of(4), module=five_layers(), batch=pairs(16), forward=mse,
         directory=tmp_path,
     )  # fmt: skip
     assert {"data-parallel-step", "accumulation", "no-sync", "ranks-in-sync"} <= set(report.passed)
@@ -209,7 +193,7 @@ def test_a_stage_list_that_loses_a_parameter_free_module_is_caught(stratagem_wor
         device="cpu",
     )  # fmt: skip
     with pytest.raises(LawViolation) as caught:
-        check_all(strategy, world=stratagem_world, module=make_mlp(), batch=pairs(), forward=mse)
+        check_all(strategy, world=stratagem_world, module=five_layers(), batch=pairs(), forward=mse)
     assert caught.value.law == "wrap-preserves"
 
 
@@ -222,6 +206,6 @@ def test_pipeline_replicas_that_are_never_averaged_are_caught(stratagem_world_of
     )  # fmt: skip
     with pytest.raises(LawViolation) as caught:
         laws.check_data_parallel_step(
-            strategy, make_mlp(), pairs(16), world=stratagem_world_of(4), forward=mse
+            strategy, five_layers(), pairs(16), world=stratagem_world_of(4), forward=mse
         )
     assert "after update 1" in caught.value.difference

@@ -16,8 +16,11 @@ import stratagem as sg
 from kit_strategies import (
     averaging_pipeline,
     bf16_fsdp,
+    five_layers,
     fsdp_with_skip_sync_helper,
     hand_tensor_parallel,
+    mse,
+    pairs,
 )
 from stratagem.testing import LawViolation, check_all, laws
 from stratagem.testing.modules import mlp
@@ -26,24 +29,6 @@ pytestmark = pytest.mark.slow
 
 BATCH = torch.randn(8, 4, generator=torch.Generator().manual_seed(3))
 STAGES = (("0", "1", "2"), ("3", "4"))
-
-
-def mse(model, batch):
-    inputs, targets = batch
-    return torch.nn.functional.mse_loss(model(inputs), targets)
-
-
-def pairs(rows=8):
-    generator = torch.Generator().manual_seed(3)
-    return torch.randn(rows, 6, generator=generator), torch.randn(rows, 2, generator=generator)
-
-
-def five_layers():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
-        torch.nn.Linear(16, 2),
-    )  # fmt: skip
 
 
 def two_linears():
