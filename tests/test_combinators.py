@@ -269,7 +269,10 @@ def test_combinators_touch_only_their_fields():
             {"name", "setup", "wrap", "step", "backward", "update"},
         ),
         "clipping": (sg.with_clipping(base, max_norm=1.0), {"name", "setup", "update"}),
-        "accumulate": (sg.accumulate(base, 2), {"name", "setup", "step", "backward", "update"}),
+        "accumulate": (
+            sg.accumulate(base, 2),
+            {"name", "setup", "step", "backward", "update", "save"},
+        ),
     }
     for what, (derived, fields) in touched.items():
         changed = {

@@ -18,6 +18,7 @@ from stratagem.fields import (
     BackwardInStep,
     ForwardFn,
     NoSyncFn,
+    SaveFn,
     SetupFn,
     StepFn,
     UpdateFn,
@@ -156,6 +157,26 @@ class AccumulationUpdate:
             state.count = None
 
 
+@attrs.frozen
+class AccumulationSave:
+    """Save: refused inside a window, whose gradients no checkpoint holds; else the inner save."""
+
+    inner: SaveFn
+
+    def __call__(self, path: Any, state: Any, ctx: Context, **options: Any) -> Any:
+        window = _state(ctx, "save")
+        taken = window.index % window.every
+        if taken:
+            raise UsageError(
+                f"save: {taken} of accumulate's {window.every} micro-batches are backpropagated "
+                "but not yet stepped; their gradients would be in no checkpoint, and a resumed "
+                "run would step after other micro-batches than this one. Save right after an "
+                f"update that steps (when the micro-batches so far are a multiple of "
+                f"{window.every})."
+            )
+        return self.inner(path, state, ctx, **options)
+
+
 def _takes_the_world_size(every: Callable[..., Any]) -> bool:
     try:
         inspect.signature(every).bind(1)
@@ -193,7 +214,10 @@ def accumulate(strategy: Strategy, every: Every, *, normalize: Normalize = "mean
       window (e.g. the tokens in it).
 
     Fields touched: ``setup`` (an `AccumulationState` in
-    ``ctx.extras["accumulation"]``), ``step``, ``backward``, ``update``.
+    ``ctx.extras["accumulation"]``), ``step``, ``backward``, ``update``, and
+    ``save``, which refuses a save inside a window (its gradients would be in
+    no checkpoint, and a resumed run would count its windows from another
+    micro-batch): save right after an update that steps.
 
     Args:
         strategy: the strategy to accumulate over.
@@ -205,7 +229,7 @@ def accumulate(strategy: Strategy, every: Every, *, normalize: Normalize = "mean
         normalize: what each micro-batch's loss is divided by (above).
 
     Returns:
-        The strategy with the four fields wrapped.
+        The strategy with the five fields wrapped.
 
     Raises:
         UsageError: ``strategy`` is not a `Strategy`, ``every`` is neither a
@@ -245,4 +269,5 @@ def accumulate(strategy: Strategy, every: Every, *, normalize: Normalize = "mean
         step=AccumulationStep(strategy.step, strategy.no_sync),
         backward=AccumulationBackward(strategy.backward, normalize),
         update=AccumulationUpdate(strategy.update),
+        save=AccumulationSave(strategy.save),
     )
