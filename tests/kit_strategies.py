@@ -12,6 +12,7 @@ import threading
 import time
 from copy import deepcopy
 from pathlib import Path
+from typing import ClassVar
 
 import attrs
 import torch
@@ -160,6 +161,7 @@ class HookedWrap:
 
     hook: str
     inner: WrapDDP = attrs.field(factory=WrapDDP)
+    in_reference: ClassVar[bool] = False  # it distributes: the reference leaves it out
 
     def __call__(self, module, ctx):
         wrapped = self.inner(module, ctx)
@@ -655,6 +657,9 @@ class RescaledEarlierStep:
 
     inner: object
     microbatches: int
+    in_reference: ClassVar[bool] = (
+        False  # the pipeline's own step, patched: part of what distributes
+    )
 
     def __call__(self, module, batch, ctx, *, forward=None):
         earlier = {p: p.grad.detach().clone() for p in module.parameters() if p.grad is not None}

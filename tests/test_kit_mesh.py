@@ -8,6 +8,8 @@ the batches a group takes and the weights it splits, is caught.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 import pytest
 import torch
@@ -78,6 +80,7 @@ class SplitWithoutCopying:
     """The planted bug: split each rank's own initialisation (no copy of rank 0's first)."""
 
     inner: object
+    in_reference: ClassVar[bool] = False  # it distributes: the reference leaves it out
 
     def __call__(self, module, ctx):
         return self.inner(parallelize_module(module, ctx.mesh["tp"], block_plan()), ctx)

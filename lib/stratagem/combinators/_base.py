@@ -5,6 +5,13 @@ clipping) does not replace ``update``: it passes the inner ``update`` an
 `OptimizerHook` whose ``step`` runs the combinator's code around the real
 step. The inner update (DDP's, or the Horovod-style one that all-reduces
 first) keeps its own order, and hooks run in the order combinators were applied.
+
+A layer is an attrs callable with an ``inner`` field, stratagem's or a
+user's: nothing here, nor in the kit, tells the two apart. A layer that
+distributes (splits over a mesh, registers a communication hook) or only
+records says so with a class attribute ``in_reference = False``: the kit's
+derived reference, which is the stack without its distribution, leaves it
+out (`in_reference`).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ __all__ = [
     "applied",
     "check_strategy",
     "gradients",
+    "in_reference",
     "peel",
     "rebased",
     "root_optimizer",
@@ -72,6 +80,19 @@ def peel(field: Any) -> tuple[list[Any], Any]:
         layers.append(field)
         field = field.inner
     return layers, field
+
+
+def in_reference(layer: object) -> bool:
+    """Whether the kit's derived reference keeps ``layer``: unless its class says it distributes.
+
+    Example:
+        >>> import stratagem as sg
+        >>> in_reference(sg.with_clipping(sg.ddp(), max_norm=1.0).update)
+        True
+        >>> in_reference(sg.traced(sg.ddp(), print).update)
+        False
+    """
+    return getattr(type(layer), "in_reference", True) is not False
 
 
 def rebased(layers: list[Any], base: Any) -> Any:

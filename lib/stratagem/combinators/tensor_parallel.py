@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 import torch
@@ -92,6 +92,7 @@ class TensorParallelWrap:
 
     inner: WrapFn
     plan: Plan
+    in_reference: ClassVar[bool] = False  # it distributes: the reference trains the whole module
 
     def __call__(self, module: torch.nn.Module, ctx: Context) -> torch.nn.Module:
         from torch.distributed.tensor.parallel import parallelize_module

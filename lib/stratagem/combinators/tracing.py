@@ -15,7 +15,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import attrs
 
@@ -339,6 +339,7 @@ class Traced:
     inner: Callable[..., Any]
     sink: Sink
     field: str
+    in_reference: ClassVar[bool] = False  # it records; it does not train
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         started = time.time()

@@ -2,10 +2,12 @@
 
 ``with_clipping(accumulate(ddp(), 2), max_norm=1.0)`` on N ranks is compared
 with ``with_clipping(accumulate(single_device("cpu"), 2), max_norm=1.0)`` in
-one process, on the whole batch: every combinator layer is kept (what it
-does to training is part of what the law checks), every base below them is
-replaced by ``single_device``'s. Tracing layers are left out (they record,
-they do not train).
+one process, on the whole batch: every layer is kept, stratagem's and the
+user's alike (what it does to training is part of what the law checks), and
+every base below them is replaced by ``single_device``'s. A layer whose
+class says ``in_reference = False`` is left out: tracing (it records) and
+tensor parallelism (it distributes), and a user's layer that distributes
+(a communication hook, say).
 
 A base of the user's own (a custom ``update`` that averages parameters, a
 ``wrap`` that casts) is replaced too: the law then checks that it trains as
@@ -21,11 +23,9 @@ from typing import Any
 import attrs
 import torch
 
-from stratagem.combinators._base import applied, peel, rebased
+from stratagem.combinators._base import applied, in_reference, peel, rebased
 from stratagem.combinators.accumulation import AccumulationSetup
 from stratagem.combinators.precision import PrecisionSetup
-from stratagem.combinators.tensor_parallel import TensorParallelWrap
-from stratagem.combinators.tracing import Traced
 from stratagem.strategies.ddp import WrapDDP
 from stratagem.strategies.fsdp_units import WrapFSDP
 from stratagem.strategies.single import single_device
@@ -60,9 +60,7 @@ def undistributed(strategy: StrategyLike, *, every: int | None = None) -> Strate
         for value in (*peeled[name][0], peeled[name][1])
     }
     for name in FIELD_SIGNATURES:
-        layers = _combinator_layers(peeled[name][0])
-        # Tracing records and tensor parallelism distributes: neither is part of the training.
-        kept = [layer for layer in layers if not isinstance(layer, (Traced, TensorParallelWrap))]
+        kept = [layer for layer in peeled[name][0] if in_reference(layer)]
         if every is not None:
             kept = [
                 attrs.evolve(layer, every=every) if isinstance(layer, AccumulationSetup) else layer
@@ -112,20 +110,6 @@ class NormsInFloat32:
             if isinstance(norm, torch.nn.modules.batchnorm._BatchNorm):  # noqa: SLF001
                 norm.register_forward_pre_hook(_inputs_in_float32)
         return wrapped
-
-
-def _combinator_layers(layers: list[Any]) -> list[Any]:
-    """Return the outer layers that stratagem's combinators made; below them is the base.
-
-    A user's own wrapper (an attrs callable with an ``inner`` field, around
-    ``ddp()``'s wrap, say) is part of the strategy's base, replaced whole.
-    """
-    ours = []
-    for layer in layers:
-        if not type(layer).__module__.startswith("stratagem.combinators."):
-            break
-        ours.append(layer)
-    return ours
 
 
 def _relinked(value: Any, others: dict[int, str], changes: dict[str, Any]) -> Any:
