@@ -17,6 +17,7 @@ import torch
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
 from stratagem.fields import ForwardFn
+from stratagem.optimizer_hooks import OptimizerHook, root_optimizer
 from stratagem.parts import part_of
 from stratagem.trees import map_tensors
 from stratagem.validators import is_number, require
@@ -131,6 +132,10 @@ def check_optimizer_holds(optimizer: Any, module: object, function: str) -> None
     last_optimizer, last_module = _LAST
     if last_optimizer() is optimizer and last_module() is module:
         return  # the usual loop: one pair, two dereferences
+    if isinstance(optimizer, OptimizerHook):  # a combinator's view, made anew for every update
+        optimizer = root_optimizer(optimizer)
+        if last_optimizer() is optimizer and last_module() is module:
+            return
     try:
         known = _HOLDS.get(optimizer)
     except TypeError:  # an optimizer-like object without weak references: checked every time

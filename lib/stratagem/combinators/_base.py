@@ -16,25 +16,23 @@ out (`in_reference`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import attrs
 import torch
 
 from stratagem.errors import CombinatorError, UsageError
+from stratagem.optimizer_hooks import root_optimizer
 from stratagem.strategy import FIELD_SIGNATURES, Strategy, StrategyLike, not_a_strategy
 
 __all__ = [
     "CombinatorError",
-    "OptimizerHook",
     "applied",
     "check_strategy",
     "gradients",
     "in_reference",
     "peel",
     "rebased",
-    "root_optimizer",
 ]
 
 
@@ -109,45 +107,6 @@ def applied(strategy: StrategyLike, kind: type[Any]) -> Any | None:
             if isinstance(layer, kind):
                 return layer
     return None
-
-
-@attrs.define
-class OptimizerHook:
-    """An optimizer whose ``step`` goes through ``on_step(real_step)``; the rest is the optimizer's.
-
-    Attributes:
-        optimizer: the optimizer (or another hook) being wrapped.
-        on_step: called with the wrapped ``step``; decides whether and how to call it.
-    """
-
-    optimizer: Any
-    on_step: Callable[[Callable[[], Any]], Any]
-
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        if closure is not None:
-            raise CombinatorError("stratagem combinators do not support optimizer closures.")
-        return self.on_step(self.optimizer.step)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    @property
-    def param_groups(self) -> Any:
-        """The wrapped optimizer's; read by every update's check, so not via ``__getattr__``."""
-        return self.optimizer.param_groups
-
-    def __getattr__(self, name: str) -> Any:
-        # param_groups, state, state_dict, ...: the wrapped optimizer's own.
-        if name in ("optimizer", "on_step"):  # not yet set (unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.optimizer, name)
-
-
-def root_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """Return the real optimizer under any number of `OptimizerHook` layers."""
-    while isinstance(optimizer, OptimizerHook):
-        optimizer = optimizer.optimizer
-    return optimizer  # type: ignore[no-any-return]
 
 
 def gradients(optimizer: Any) -> list[torch.Tensor]:

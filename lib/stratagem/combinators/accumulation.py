@@ -24,7 +24,14 @@ from stratagem.fields import (
     UpdateFn,
 )
 from stratagem.strategy import Strategy
-from stratagem.training import check_loss, check_module, check_optimizer, check_optimizer_holds
+from stratagem.training import (
+    backward,
+    check_loss,
+    check_module,
+    check_optimizer,
+    check_optimizer_holds,
+    no_sync,
+)
 from stratagem.validators import is_int, require
 
 __all__ = ["AccumulationState", "Every", "Normalize", "accumulate"]
@@ -58,6 +65,10 @@ class AccumulationState:
 
 
 def _state(ctx: Context, function: str) -> AccumulationState:
+    if ctx.__class__ is Context:  # every micro-batch runs this three times: one test, usually
+        found = ctx.extras.get("accumulation")
+        if found.__class__ is AccumulationState:
+            return found
     state = check_context(ctx, function).extras.get("accumulation")
     if not isinstance(state, AccumulationState):
         raise UsageError(
@@ -106,7 +117,13 @@ class AccumulationStep:
     ) -> Any:
         check_module(module, "step")
         state = _state(ctx, "step")
-        if torch.is_grad_enabled() and not state.last and state.pending is None:
+        # One process's no_sync does nothing: entering it would only cost a few calls a step.
+        if (
+            self.no_sync is not no_sync
+            and state.pending is None
+            and torch.is_grad_enabled()
+            and not state.last
+        ):
             state.pending = self.no_sync(module, ctx)
             state.pending.__enter__()
         return self.inner(module, batch, ctx, forward=forward)
@@ -120,7 +137,8 @@ class AccumulationBackward:
     normalize: Normalize
 
     def __call__(self, loss: torch.Tensor, module: torch.nn.Module, ctx: Context) -> None:
-        check_loss(loss, "backward")
+        if self.inner is not backward:  # the plain backward checks the divided loss the same way
+            check_loss(loss, "backward")
         state = _state(ctx, "backward")
         if self.normalize == "mean":
             loss = loss / state.every
@@ -164,7 +182,10 @@ class AccumulationSave:
     inner: SaveFn
 
     def __call__(self, path: Any, state: Any, ctx: Context, **options: Any) -> Any:
-        window = _state(ctx, "save")
+        # A context without a window (one built by hand) has none to lose: the save checks it.
+        window = ctx.extras.get("accumulation") if isinstance(ctx, Context) else None
+        if not isinstance(window, AccumulationState):
+            return self.inner(path, state, ctx, **options)
         taken = window.index % window.every
         if taken:
             raise UsageError(

@@ -9,14 +9,7 @@ import attrs
 import torch
 
 from stratagem import collectives
-from stratagem.combinators._base import (
-    CombinatorError,
-    OptimizerHook,
-    applied,
-    check_strategy,
-    gradients,
-    root_optimizer,
-)
+from stratagem.combinators._base import CombinatorError, applied, check_strategy, gradients
 from stratagem.env import Context, Env, check_context
 from stratagem.errors import UsageError
 from stratagem.fields import (
@@ -28,6 +21,7 @@ from stratagem.fields import (
     UpdateFn,
     WrapFn,
 )
+from stratagem.optimizer_hooks import OptimizerHook, root_optimizer
 from stratagem.precisions import (
     DTYPES,
     PRECISIONS,

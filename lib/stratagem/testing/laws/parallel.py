@@ -27,11 +27,12 @@ import attrs
 import torch
 
 from stratagem.checkpoint import unwrap
-from stratagem.combinators._base import OptimizerHook, peel
+from stratagem.combinators._base import peel
 from stratagem.combinators.accumulation import AccumulationState
 from stratagem.env import Env
 from stratagem.errors import UsageError, describe
 from stratagem.fields import BackwardInStep
+from stratagem.optimizer_hooks import OptimizerHook
 from stratagem.strategy import StrategyLike
 from stratagem.testing.contract import Contract
 from stratagem.testing.laws._core import (

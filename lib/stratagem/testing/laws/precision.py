@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from stratagem.checkpoint.entries import unwrap
-from stratagem.combinators._base import root_optimizer
 from stratagem.errors import UsageError
+from stratagem.optimizer_hooks import root_optimizer
 from stratagem.strategy import StrategyLike
 from stratagem.testing.contract import Contract
 from stratagem.testing.laws._core import (

@@ -16,7 +16,7 @@ import attrs
 import torch
 
 from stratagem.checkpoint import unwrap
-from stratagem.combinators._base import root_optimizer
+from stratagem.optimizer_hooks import root_optimizer
 
 __all__ = ["Difference", "first_difference", "hint", "snapshot"]
 
