@@ -74,6 +74,8 @@ def test_a_sum_normalised_accumulation_of_a_mean_loss_is_caught(stratagem_world)
         sg.with_clipping(sg.fsdp(), max_value=0.01),
         sg.with_precision(sg.ddp(), "bf16-mixed"),
         sg.with_precision(sg.accumulate(sg.ddp(), 2), "16-mixed"),
+        sg.compiled(sg.ddp(), backend="eager"),
+        sg.with_activation_checkpointing(sg.ddp(), sg.every_module_of(torch.nn.Linear)),
     ],
     ids=lambda s: s.name,
 )

@@ -13,7 +13,9 @@ import torch
 
 from stratagem.combinators._base import applied
 from stratagem.combinators.accumulation import AccumulationSetup, _resolved
+from stratagem.combinators.checkpointing import CheckpointWrap
 from stratagem.combinators.clipping import ClipUpdate
+from stratagem.combinators.compiled import CompiledWrap
 from stratagem.combinators.precision import PrecisionSetup
 from stratagem.errors import UsageError, describe
 from stratagem.fields import REDUCE_OPS, ReduceOp
@@ -71,7 +73,8 @@ def _has_arithmetic(strategy: StrategyLike) -> bool:
     """Whether a combinator of ``strategy`` does arithmetic of its own (and not a pipeline)."""
     if backward_in_step(strategy):
         return False
-    own = (AccumulationSetup, ClipUpdate, PrecisionSetup)
+    # Compiling and recomputing activations change no arithmetic: their oracle is the plain step.
+    own = (AccumulationSetup, ClipUpdate, PrecisionSetup, CompiledWrap, CheckpointWrap)
     return any(applied(strategy, kind) is not None for kind in own) or (
         compute_dtype(strategy) != torch.float32
     )
