@@ -30,6 +30,7 @@ __all__ = [
     "Precision",
     "PrecisionState",
     "check_fsdp_policy",
+    "is_mixed",
     "precision_of",
 ]
 
@@ -44,6 +45,11 @@ DTYPES = {
     "16-mixed": torch.float16,
     "16-true": torch.float16,
 }
+
+
+def is_mixed(precision: str) -> bool:
+    """Whether ``precision`` keeps float32 parameters and computes in a lower dtype (``-mixed``)."""
+    return precision.endswith("-mixed")
 
 
 @attrs.define
@@ -72,7 +78,7 @@ class PrecisionState:
     @property
     def mixed(self) -> bool:
         """Whether parameters stay float32 and only the computation runs in ``dtype``."""
-        return self.precision.endswith("-mixed")
+        return is_mixed(self.precision)
 
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale this step's gradients once, before anything reads them.

@@ -129,13 +129,11 @@ def check_optimizer_holds(optimizer: Any, module: object, function: str) -> None
         UsageError: ``optimizer`` holds none of ``module``'s parameters
             (`OPTIMIZER_NOT_FOR_MODULE`).
     """
+    if isinstance(optimizer, OptimizerHook):  # a combinator's view, made anew for every update
+        optimizer = root_optimizer(optimizer)
     last_optimizer, last_module = _LAST
     if last_optimizer() is optimizer and last_module() is module:
         return  # the usual loop: one pair, two dereferences
-    if isinstance(optimizer, OptimizerHook):  # a combinator's view, made anew for every update
-        optimizer = root_optimizer(optimizer)
-        if last_optimizer() is optimizer and last_module() is module:
-            return
     try:
         known = _HOLDS.get(optimizer)
     except TypeError:  # an optimizer-like object without weak references: checked every time

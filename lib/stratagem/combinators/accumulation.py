@@ -184,16 +184,13 @@ class AccumulationSave:
     def __call__(self, path: Any, state: Any, ctx: Context, **options: Any) -> Any:
         # A context without a window (one built by hand) has none to lose: the save checks it.
         window = ctx.extras.get("accumulation") if isinstance(ctx, Context) else None
-        if not isinstance(window, AccumulationState):
-            return self.inner(path, state, ctx, **options)
-        taken = window.index % window.every
-        if taken:
+        if isinstance(window, AccumulationState) and window.index % window.every:
             raise UsageError(
-                f"save: {taken} of accumulate's {window.every} micro-batches are backpropagated "
-                "but not yet stepped; their gradients would be in no checkpoint, and a resumed "
-                "run would step after other micro-batches than this one. Save right after an "
-                f"update that steps (when the micro-batches so far are a multiple of "
-                f"{window.every})."
+                f"save: {window.index % window.every} of accumulate's {window.every} "
+                "micro-batches are backpropagated but not yet stepped; their gradients would be "
+                "in no checkpoint, and a resumed run would step after other micro-batches than "
+                "this one. Save right after an update that steps (when the micro-batches so far "
+                f"are a multiple of {window.every})."
             )
         return self.inner(path, state, ctx, **options)
 

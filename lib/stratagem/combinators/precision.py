@@ -28,6 +28,7 @@ from stratagem.precisions import (
     Precision,
     PrecisionState,
     check_fsdp_policy,
+    is_mixed,
     precision_of,
 )
 from stratagem.strategy import Strategy
@@ -38,12 +39,8 @@ from stratagem.validators import require
 __all__ = ["PrecisionSetup", "PrecisionStep", "PrecisionWrap", "with_precision"]
 
 
-def _mixed(precision: str) -> bool:
-    return precision.endswith("-mixed")
-
-
 def _check_device(precision: str, device: torch.device) -> None:
-    if _mixed(precision) and not torch.amp.autocast_mode.is_autocast_available(device.type):
+    if is_mixed(precision) and not torch.amp.autocast_mode.is_autocast_available(device.type):
         raise UsageError(
             f"precision {precision!r} needs autocast, which is not available on device "
             f"{str(device)!r}; use '32-true' or a '-true' precision there."
@@ -70,7 +67,7 @@ class PrecisionSetup:
     @property
     def mixed(self) -> bool:
         """Whether parameters stay float32 and only the forward runs in ``dtype`` (autocast)."""
-        return _mixed(self.precision)
+        return is_mixed(self.precision)
 
     def __call__(self, env: Env) -> Context:
         ctx = self.inner(env)
@@ -92,7 +89,7 @@ class PrecisionWrap:
     precision: str
 
     def __call__(self, module: torch.nn.Module, ctx: Context) -> torch.nn.Module:
-        if not _mixed(self.precision) and isinstance(module, torch.nn.Module):
+        if not is_mixed(self.precision) and isinstance(module, torch.nn.Module):
             module = module.to(DTYPES[self.precision])
         wrapped = self.inner(module, ctx)
         state = precision_of(ctx)
@@ -118,7 +115,7 @@ class PrecisionStep:
     ) -> Any:
         check_context(ctx, "step")
         dtype = DTYPES[self.precision]
-        if _mixed(self.precision):
+        if is_mixed(self.precision):
             with torch.autocast(ctx.device.type, dtype=dtype):
                 return self.inner(module, batch, ctx, forward=forward)
         if dtype != torch.float32:

@@ -75,9 +75,7 @@ def _has_arithmetic(strategy: StrategyLike) -> bool:
         return False
     # Compiling and recomputing activations change no arithmetic: their oracle is the plain step.
     own = (AccumulationSetup, ClipUpdate, PrecisionSetup, CompiledWrap, CheckpointWrap)
-    return any(applied(strategy, kind) is not None for kind in own) or (
-        compute_dtype(strategy) != torch.float32
-    )
+    return any(applied(strategy, kind) is not None for kind in own)
 
 
 def default_module() -> torch.nn.Module:
@@ -255,18 +253,18 @@ def check_all(
                         forward=loss)  # fmt: skip
         run("purity", laws.check_purity, strategy, first, data, world=running, forward=loss)
         precision = applied(strategy, PrecisionSetup)
-        if precision is not None and precision.precision.endswith("-mixed"):
-            dtype = torch.bfloat16 if precision.precision.startswith("bf16") else torch.float16
-            run("step-autocast", laws.check_step_autocast, strategy, first, data, dtype,
-                world=running, forward=forward)  # fmt: skip
-        if compute_dtype(strategy) != torch.float32:
+        if precision is not None and precision.mixed:
+            run("step-autocast", laws.check_step_autocast, strategy, first, data,
+                precision.dtype, world=running, forward=forward)  # fmt: skip
+        low = compute_dtype(strategy) != torch.float32
+        if low:
             run("precision-close-to-float32", laws.check_precision, strategy, first, data,
                 world=running, reference=reference, contract=terms, forward=loss)  # fmt: skip
-        if compute_dtype(strategy) != torch.float32 and mixed_precision(strategy):
+        if low and mixed_precision(strategy):
             for model in trained.values():
                 run("float32-master-weights", laws.check_master_weights, strategy, model, data,
                     world=running, forward=loss)  # fmt: skip
-        if _has_arithmetic(strategy) and terms.sync_every == 1:
+        if (low or _has_arithmetic(strategy)) and terms.sync_every == 1:
             run("combinator-arithmetic", laws.check_combinator_arithmetic, strategy, first, data,
                 world=running, contract=terms, forward=loss)  # fmt: skip
         for model in trained.values():
