@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, TensorDataset
 
 import stratagem as sg
-from stratagem.launching import MAX_SECONDS
 from stratagem.process_group import WorldOptions
 from stratagem.strategy import FIELD_SIGNATURES
+from stratagem.validators import MAX_SECONDS
 
 T = TypeVar("T")
 

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import stratagem as sg
-from stratagem.launching import MAX_SECONDS
 from stratagem.ray_launching import NEEDS_RAY, RayLaunch, ray_launcher
+from stratagem.validators import MAX_SECONDS
 
 HAVE_RAY = importlib.util.find_spec("ray") is not None
 # Under nox (CI) Ray is installed with the extra: a missing Ray there is a failure, not a skip.

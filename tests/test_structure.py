@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import inspect
 import json
 import subprocess
 import sys
@@ -217,3 +218,94 @@ def test_tests_import_their_helpers_as_ci_runs_them():
         if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "tests"
     ]
     assert offenders == []
+
+
+def test_the_built_in_factories_named_for_error_messages_are_the_public_ones():
+    # strategy.py names them itself: reading them off the package would import upwards.
+    from stratagem.strategy import BUILT_IN_FACTORIES
+
+    public = {
+        name
+        for name in stratagem.__all__
+        if getattr(stratagem, name).__module__.startswith("stratagem.strategies.")
+        and inspect.signature(getattr(stratagem, name)).return_annotation == "Strategy"
+    }
+    assert public == BUILT_IN_FACTORIES
+
+
+def _room(module: str) -> str | None:
+    """The top-level module or subpackage of lib/stratagem that ``module`` is in."""
+    parts = module.split(".")
+    if parts[0] != "stratagem":
+        return None
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _imported(node: ast.AST, package: str) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+    module = ".".join([*base, *([node.module] if node.module else [])])
+    found = []
+    for alias in node.names:  # `from stratagem import checkpoint` imports a submodule, not __init__
+        path = LIB.joinpath(*f"{module}.{alias.name}".split(".")[1:])
+        is_module = path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+        found.append(f"{module}.{alias.name}" if is_module else module)
+    return found
+
+
+def import_floors() -> tuple[dict[str, set[str]], dict[str, int]]:
+    """Rooms (top-level modules and subpackages) and their imports, and each room's floor.
+
+    Every import statement counts, at the top, inside a function or under TYPE_CHECKING.
+    A room's floor is one above the highest room it imports; a circle is an error.
+    """
+    edges: dict[str, set[str]] = {}
+    for path in LIB.rglob("*.py"):
+        parts = path.relative_to(LIB).with_suffix("").parts
+        module = ".".join(("stratagem", *parts)).removesuffix(".__init__")
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        room = _room(module)
+        assert room is not None
+        for node in ast.walk(ast.parse(path.read_text())):
+            for name in _imported(node, package):
+                target = _room(name)
+                if target is not None and target != room:
+                    edges.setdefault(room, set()).add(target)
+    floors: dict[str, int] = {}
+
+    def floor(room: str, below: tuple[str, ...] = ()) -> int:
+        assert room not in below, f"an import circle: {' -> '.join((*below, room))}"
+        if room not in floors:
+            floors[room] = 1 + max((floor(t, (*below, room)) for t in edges.get(room, ())), default=0)
+        return floors[room]
+
+    for room in list(edges):
+        floor(room)
+    return edges, floors
+
+
+def test_the_import_graph_has_no_circle_and_at_most_ten_floors():
+    # Issue 36: 16 floors before, from a launcher's constant, an exception class and a message
+    # helper kept above what needed them, and the CLI importing the whole package.
+    edges, floors = import_floors()
+    top = max(floors, key=floors.__getitem__)
+    assert floors[top] <= 10, f"{floors[top]} floors, from {top}: {sorted(floors.items())}"
+    assert floors["errors"] == 1
+    assert "__init__" not in {target for targets in edges.values() for target in targets}
+
+
+def test_the_floor_count_would_catch_an_import_that_runs_back_up(tmp_path, monkeypatch):
+    fake = tmp_path / "stratagem"
+    for name, text in {
+        "__init__.py": "",
+        "errors.py": "import stratagem.top\n",
+        "top.py": "from stratagem import errors\n",
+    }.items():
+        (fake / name).parent.mkdir(exist_ok=True)
+        (fake / name).write_text(text)
+    monkeypatch.setattr(sys.modules[__name__], "LIB", fake)
+    with pytest.raises(AssertionError, match="an import circle"):
+        import_floors()

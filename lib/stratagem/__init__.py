@@ -43,6 +43,7 @@ if _typing.TYPE_CHECKING:
     from stratagem.errors import CombinatorError as CombinatorError
     from stratagem.errors import EnvError as EnvError
     from stratagem.errors import LaunchError as LaunchError
+    from stratagem.errors import Preempted as Preempted
     from stratagem.errors import RankError as RankError
     from stratagem.errors import StratagemError as StratagemError
     from stratagem.errors import StrategyFieldError as StrategyFieldError
@@ -51,7 +52,6 @@ if _typing.TYPE_CHECKING:
     from stratagem.launching import Spawn as Spawn
     from stratagem.launching import launch as launch
     from stratagem.launching import spawned as spawned
-    from stratagem.preemption import Preempted as Preempted
     from stratagem.preemption import on_preemption as on_preemption
     from stratagem.ray_launching import RayLaunch as RayLaunch
     from stratagem.ray_launching import ray_launcher as ray_launcher
@@ -126,7 +126,7 @@ _WHERE: dict[str, str] = {
     "allreduce_grads": "stratagem.strategies.allreduce",
     "allreduce_grads_spawn": "stratagem.strategies.allreduce",
     "broadcast_optimizer_state": "stratagem.replicas",
-    "Preempted": "stratagem.preemption",
+    "Preempted": "stratagem.errors",
     "on_preemption": "stratagem.preemption",
     "RayLaunch": "stratagem.ray_launching",
     "ray_launcher": "stratagem.ray_launching",

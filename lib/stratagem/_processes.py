@@ -37,11 +37,11 @@ import attrs
 
 from stratagem import pending
 from stratagem.arrivals import mark_left
-from stratagem.errors import LaunchError, RankError, describe
+from stratagem.errors import LaunchError, Preempted, RankError, describe
 
 if TYPE_CHECKING:
     from stratagem.env import Context, Env
-    from stratagem.strategy import StrategyLike
+    from stratagem.fields import StrategyLike
 
 _PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
 
@@ -464,8 +464,6 @@ class SpawnedWorld:
                 results[rank] = body[0]
                 done_at[rank] = time.monotonic()
         if preempted:
-            from stratagem.preemption import Preempted
-
             raise Preempted(preempted[min(preempted)])  # 75 under SLURM, else 128 + signal
         return [results[rank] for rank in range(self.devices)]
 

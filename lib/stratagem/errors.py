@@ -2,19 +2,24 @@
 
 Every error is a :class:`StratagemError` and also the builtin it resembles, so
 ``except TypeError`` or ``except ValueError`` in user code keeps working.
+`Preempted` is not an error: it ends a run on purpose, as ``SystemExit`` does.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 from typing import Any
 
 __all__ = [
+    "REQUEUE",
     "CheckpointError",
     "CollectiveCallError",
     "CollectiveMismatchError",
     "CombinatorError",
     "EnvError",
     "LaunchError",
+    "Preempted",
     "RankError",
     "StratagemError",
     "StrategyFieldError",
@@ -125,3 +130,25 @@ def describe(value: object) -> str:
     kind = type(value).__name__
     article = "an" if kind[:1].lower() in "aeiou" else "a"
     return f"{text}, {article} {kind}"
+
+
+REQUEUE = 75
+"""Exit code of a preempted run under SLURM (``EX_TEMPFAIL``: "try again"); the sbatch recipe
+in docs/launching.md requeues the job when ``srun`` returns it."""
+
+
+class Preempted(SystemExit):
+    """Ends a run that a scheduler preempted, after its last checkpoint.
+
+    Its exit code is `REQUEUE` (75) where SLURM runs the job (``SLURM_JOB_ID``
+    is set), and otherwise ``128 + signal`` (143 for SIGTERM), the code of a
+    process the signal ended, which is what other supervisors expect. Uncaught,
+    it ends the process with that code and no traceback, as ``SystemExit`` does.
+    """
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        self.signum = signum
+        super().__init__(REQUEUE if "SLURM_JOB_ID" in os.environ else 128 + signum)
+
+    def __str__(self) -> str:
+        return f"preempted by {signal.Signals(self.signum).name}; exiting with code {self.code}"

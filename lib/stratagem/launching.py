@@ -31,9 +31,9 @@ from stratagem.devices import asked_device, warn_fallback
 from stratagem.env import detect_env, host_group
 from stratagem.errors import CombinatorError, LaunchError, UsageError, describe
 from stratagem.strategy import Strategy, StrategyLike, not_a_strategy
-from stratagem.validators import positive_number
+from stratagem.validators import MAX_SECONDS, positive_number
 
-__all__ = ["MAX_SECONDS", "Spawn", "check_field_arguments", "in_place", "launch", "spawned"]
+__all__ = ["Spawn", "check_field_arguments", "in_place", "launch", "spawned"]
 
 R = TypeVar("R")
 
@@ -149,11 +149,6 @@ def in_place(
     finally:
         strategy.teardown(ctx)
     return results
-
-
-# The pipes' wait() takes milliseconds as a C int: about 24 days at most. Longer waits are a
-# typo or a wish for "forever", which a launcher should not grant a hung rank.
-MAX_SECONDS = 1_000_000
 
 
 _SECONDS = positive_number("Spawn.{name}", unit="seconds", at_most=MAX_SECONDS)

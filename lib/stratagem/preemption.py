@@ -13,7 +13,6 @@ See docs/launching.md ("Preemption").
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 from collections.abc import Iterator, Sequence
@@ -25,32 +24,11 @@ import torch
 
 from stratagem import collectives
 from stratagem.env import Context, check_context
-from stratagem.errors import UsageError, describe
+from stratagem.errors import REQUEUE, Preempted, UsageError, describe
 
 __all__ = ["REQUEUE", "Preempted", "Preemption", "on_preemption"]
 
-REQUEUE = 75
-"""Exit code of a preempted run under SLURM (``EX_TEMPFAIL``: "try again"); the sbatch recipe
-in docs/launching.md requeues the job when ``srun`` returns it."""
-
 _DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
-
-
-class Preempted(SystemExit):
-    """Ends a run that a scheduler preempted, after its last checkpoint.
-
-    Its exit code is `REQUEUE` (75) where SLURM runs the job (``SLURM_JOB_ID``
-    is set), and otherwise ``128 + signal`` (143 for SIGTERM), the code of a
-    process the signal ended, which is what other supervisors expect. Uncaught,
-    it ends the process with that code and no traceback, as ``SystemExit`` does.
-    """
-
-    def __init__(self, signum: int = signal.SIGTERM) -> None:
-        self.signum = signum
-        super().__init__(REQUEUE if "SLURM_JOB_ID" in os.environ else 128 + signum)
-
-    def __str__(self) -> str:
-        return f"preempted by {signal.Signals(self.signum).name}; exiting with code {self.code}"
 
 
 @attrs.define(eq=False)

@@ -29,8 +29,7 @@ from stratagem.arrivals import DEFAULT_TIMEOUT, Arrivals, check_arrival_timeout
 from stratagem.devices import DeviceSpec, check_device_spec, resolve_device
 from stratagem.env import Context, Env, check_context, check_env
 from stratagem.errors import LaunchError, UsageError, describe
-from stratagem.launching import MAX_SECONDS
-from stratagem.validators import positive_number
+from stratagem.validators import MAX_SECONDS, positive_number
 
 __all__ = [
     "BACKENDS",

@@ -59,9 +59,9 @@ from stratagem._processes import (
 )
 from stratagem.env import detect_env
 from stratagem.errors import LaunchError, RankError, describe
-from stratagem.launching import MAX_SECONDS, check_field_arguments, in_place
+from stratagem.launching import check_field_arguments, in_place
 from stratagem.strategy import StrategyLike
-from stratagem.validators import field, is_int, positive_number
+from stratagem.validators import MAX_SECONDS, field, is_int, positive_number
 
 __all__ = ["NEEDS_RAY", "OBJECT_STORE_BYTES", "RayLaunch", "ray_launcher"]
 

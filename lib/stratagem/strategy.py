@@ -32,7 +32,7 @@ from stratagem.fields import (
 )
 from stratagem.fields import StrategyLike as StrategyLike  # defined beside its field types
 
-__all__ = ["FIELD_SIGNATURES", "Strategy", "StrategyLike", "not_a_strategy"]
+__all__ = ["BUILT_IN_FACTORIES", "FIELD_SIGNATURES", "Strategy", "StrategyLike", "not_a_strategy"]
 
 
 @attrs.frozen
@@ -124,24 +124,47 @@ FIELD_SIGNATURES: dict[str, _Accepts] = {
 """The calling convention of every function field, as validated at construction."""
 
 
+BUILT_IN_FACTORIES = frozenset(
+    {
+        "allreduce_grads",
+        "allreduce_grads_spawn",
+        "ddp",
+        "ddp_spawn",
+        "dp",
+        "fsdp",
+        "fsdp_spawn",
+        "hsdp",
+        "pipeline",
+        "single_device",
+    }
+)
+"""The public names that build a strategy (tests/test_structure.py holds this to ``sg.__all__``)."""
+
+
+def _returns_a_strategy(function: Any) -> bool:
+    try:
+        returns = inspect.signature(function).return_annotation
+    except (TypeError, ValueError):  # a builtin or C callable has no signature to read
+        return False
+    return returns in ("Strategy", Strategy)
+
+
 def not_a_strategy(value: object, function: str) -> str:
     """Return the message for ``value`` given where a strategy was expected, with the fix.
 
     The two usual mistakes get their own fix: a factory passed uncalled
     (``sg.ddp_spawn`` for ``sg.ddp_spawn()``) and a built-in's name as a string.
     """
-    import stratagem
-
     head = f"{function}: 'strategy' must be a Strategy (got {describe(value)})"
     if callable(value) and not isinstance(value, type):
         name = getattr(value, "__name__", "factory")
-        if getattr(stratagem, name, None) is value:
+        ours = getattr(value, "__module__", "").startswith("stratagem.")
+        if ours and _returns_a_strategy(value):
             return f"{head}; call the factory: sg.{name}() instead of sg.{name}."
         return f"{head}; if it builds one, call it: {name}()."
     if isinstance(value, str):
         name = value.strip().lower().replace("-", "_")
-        found = getattr(stratagem, name, None)
-        if callable(found) and not isinstance(found, type) and name in stratagem.__all__:
+        if name in BUILT_IN_FACTORIES:
             return f"{head}; strategies are records, not names: write sg.{name}()."
         return f"{head}; strategies are records, not names: build one, e.g. sg.ddp()."
     return f"{head}; build one with a factory such as sg.single_device() or sg.ddp()."

@@ -16,6 +16,7 @@ from typing import Any
 from stratagem.errors import UsageError, describe
 
 __all__ = [
+    "MAX_SECONDS",
     "Validator",
     "a_bool",
     "callable_field",
@@ -109,6 +110,11 @@ def non_negative_int(owner: str, **options: Any) -> Validator:
 def a_bool(owner: str, **options: Any) -> Validator:
     """Accept True or False (not 0, 1 or a string)."""
     return field(lambda v: isinstance(v, bool), owner, "True or False", **options)
+
+
+# The pipes' wait() takes milliseconds as a C int: about 24 days at most. Longer waits are a
+# typo or a wish for "forever", which a launcher should not grant a hung rank.
+MAX_SECONDS = 1_000_000
 
 
 def positive_number(

@@ -16,9 +16,11 @@ import attrs
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-import stratagem as sg
+from stratagem.checkpoint.entries import unwrap
 from stratagem.cli.data import Data
 from stratagem.cli.progress import Progress
+from stratagem.env import Context
+from stratagem.strategy import StrategyLike
 
 __all__ = ["Config", "Result", "train"]
 
@@ -30,7 +32,7 @@ class Config:
     Attributes:
         epochs: the epoch to end at (a resumed run trains only the missing ones).
         batch_size: samples per rank and step.
-        accumulate: micro-batches per optimizer step (as ``sg.accumulate`` was given).
+        accumulate: micro-batches per optimizer step (as ``accumulate`` was given).
         lr: SGD learning rate.
         checkpoint: directory to save to at every epoch's end, or ``None``.
         resume: start from the checkpoint in ``checkpoint``.
@@ -101,7 +103,7 @@ def epoch_loader(data: Data, epoch: int, batch_size: int) -> DataLoader[Any]:
 def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter, whole, on the CPU in float32 (FSDP's shards are gathered: a collective)."""
     full = {}
-    for name, parameter in sg.unwrap(model).named_parameters():
+    for name, parameter in unwrap(model).named_parameters():
         value = parameter.detach()
         if hasattr(value, "full_tensor"):  # a DTensor, sharded by fsdp()
             value = value.full_tensor()
@@ -109,9 +111,7 @@ def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return full
 
 
-def accuracy(
-    strategy: sg.StrategyLike, model: torch.nn.Module, data: Data, ctx: sg.Context
-) -> float:
+def accuracy(strategy: StrategyLike, model: torch.nn.Module, data: Data, ctx: Context) -> float:
     """Return the test accuracy, each rank scoring its share of the test set."""
     inputs = data.test_inputs[ctx.rank :: ctx.world_size]
     targets = data.test_targets[ctx.rank :: ctx.world_size]
@@ -121,7 +121,7 @@ def accuracy(
     return strategy.reduce(correct, "sum", ctx).item() / len(data.test_targets)
 
 
-def train(strategy: sg.StrategyLike, ctx: sg.Context, data: Data, config: Config) -> Result:
+def train(strategy: StrategyLike, ctx: Context, data: Data, config: Config) -> Result:
     """Train a classifier on ``data``; return the final loss, test accuracy and throughput."""
     torch.set_num_threads(1)  # a model this small runs slower on more threads per rank
     model = strategy.wrap(build_model(data.features, data.classes), ctx)

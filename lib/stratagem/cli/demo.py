@@ -17,23 +17,32 @@ from typing import Any
 import attrs
 import torch
 
-import stratagem as sg
 from stratagem.cli import data as datasets
 from stratagem.cli import plot
 from stratagem.cli.classifier import Config, Result, train
 from stratagem.cli.escaping import printable
 from stratagem.cli.progress import table
+from stratagem.combinators.accumulation import accumulate
+from stratagem.combinators.precision import with_precision
 from stratagem.devices import cuda_device_count
+from stratagem.env import Env, detect_env
 from stratagem.errors import UsageError
+from stratagem.launching import launch
 from stratagem.precisions import PRECISIONS
+from stratagem.strategies.allreduce import allreduce_grads_spawn
+from stratagem.strategies.ddp import ddp_spawn
+from stratagem.strategies.dp import dp
+from stratagem.strategies.fsdp import fsdp_spawn
+from stratagem.strategies.single import single_device
+from stratagem.strategy import Strategy
 
 __all__ = ["STRATEGIES", "configure", "run", "spawn_devices"]
 
 STRATEGIES = ("single", "ddp", "fsdp", "dp", "allreduce")
-SPAWNING: dict[str, Callable[[], sg.Strategy]] = {
-    "ddp": sg.ddp_spawn,
-    "fsdp": sg.fsdp_spawn,
-    "allreduce": sg.allreduce_grads_spawn,
+SPAWNING: dict[str, Callable[[], Strategy]] = {
+    "ddp": ddp_spawn,
+    "fsdp": fsdp_spawn,
+    "allreduce": allreduce_grads_spawn,
 }
 
 
@@ -138,7 +147,7 @@ def spawn_devices(requested: int | None, *, cuda_devices: int | None = None) -> 
     return requested
 
 
-def _strategy(options: argparse.Namespace, env: sg.Env) -> tuple[sg.Strategy, int]:
+def _strategy(options: argparse.Namespace, env: Env) -> tuple[Strategy, int]:
     """Return the strategy the options name and the number of processes to launch on this host."""
     name, devices = options.strategy, options.devices
     if env.is_distributed:  # torchrun or SLURM started the processes: run in place in each
@@ -161,7 +170,7 @@ def _strategy(options: argparse.Namespace, env: sg.Env) -> tuple[sg.Strategy, in
                 f"--devices {devices}: single_device() trains in one process on one device; "
                 "pass --devices 1, or --strategy ddp to spawn ranks."
             )
-        return sg.single_device(), 1
+        return single_device(), 1
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if devices is not None and devices > max(gpus, 1):
         has = f"it has {gpus} CUDA device(s)" if gpus else "without CUDA it runs on the CPU"
@@ -170,21 +179,21 @@ def _strategy(options: argparse.Namespace, env: sg.Env) -> tuple[sg.Strategy, in
             f"pass --devices {max(gpus, 1)} or fewer."
         )
     ids = list(range(devices)) if gpus and devices is not None else None
-    return sg.dp(device_ids=ids), 1
+    return dp(device_ids=ids), 1
 
 
-def _combined(strategy: sg.Strategy, options: argparse.Namespace) -> sg.Strategy:
+def _combined(strategy: Strategy, options: argparse.Namespace) -> Strategy:
     if options.precision is not None:
-        strategy = sg.with_precision(strategy, options.precision)
+        strategy = with_precision(strategy, options.precision)
     if options.accumulate > 1:
-        strategy = sg.accumulate(strategy, options.accumulate)
+        strategy = accumulate(strategy, options.accumulate)
     return strategy
 
 
 def _check_precision(precision: str | None) -> None:
     """Refuse a precision this machine cannot run, as the ranks' own setup would."""
     if precision is not None:
-        sg.with_precision(sg.single_device(), precision).setup(sg.Env())  # type: ignore[arg-type]
+        with_precision(single_device(), precision).setup(Env())  # type: ignore[arg-type]
 
 
 def _describe_checkpoint(path: Path) -> Any:
@@ -290,7 +299,7 @@ def _check_steps(options: argparse.Namespace, data: datasets.Data, world: int) -
     )
 
 
-def _row(strategy: sg.Strategy, world: int, precision: str, result: Result) -> dict[str, str]:
+def _row(strategy: Strategy, world: int, precision: str, result: Result) -> dict[str, str]:
     return {
         "strategy": strategy.name,
         "world size": str(world),
@@ -312,7 +321,7 @@ def run(options: argparse.Namespace) -> int:
         UsageError: an option this machine or this checkpoint cannot honour.
         RankError: training failed on a rank.
     """
-    env = sg.detect_env(os.environ)
+    env = detect_env(os.environ)
     if options.compare and env.is_distributed:
         raise UsageError(
             f"--compare trains single_device() in this process, which {env.source} started as "
@@ -345,17 +354,17 @@ def run(options: argparse.Namespace) -> int:
         )
         if note:
             print(note, flush=True)
-    result = sg.launch(train, strategy, devices=devices, args=(data, config))[0]
+    result = launch(train, strategy, devices=devices, args=(data, config))[0]
     rows = [_row(strategy, world, precision, result)]
     curves = {f"{strategy.name} ({world} rank{'s' if world > 1 else ''})": result.curve}
     difference = None
     if options.compare:
         print("comparing: single_device() on the same global batches ...", flush=True)
-        reference = _combined(sg.single_device(), options)
+        reference = _combined(single_device(), options)
         alone = attrs.evolve(
             config, batch_size=config.batch_size * world, checkpoint=None, resume=False, shown=False
         )
-        expected = sg.launch(train, reference, args=(data, alone))[0]
+        expected = launch(train, reference, args=(data, alone))[0]
         rows.append(_row(reference, 1, precision, expected))
         curves[f"{reference.name} (same global batches)"] = expected.curve
         assert result.parameters is not None  # rank 0's result holds them

@@ -11,7 +11,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-import stratagem as sg
+from stratagem.env import detect_env
 
 __all__ = ["configure", "report", "run"]
 
@@ -83,7 +83,7 @@ def report(environ: dict[str, str]) -> list[str]:
         >>> report({})[1]
         '  source single (a plain process: a world of one)'
     """
-    env = sg.detect_env(environ)
+    env = detect_env(environ)
     how = {
         "single": "a plain process: a world of one",
         "torchrun": "started by torchrun / TorchElastic",
@@ -112,7 +112,7 @@ def report(environ: dict[str, str]) -> list[str]:
         "versions",
         f"  python {platform.python_version()} ({sys.executable})",
         f"  torch {torch.__version__}",
-        f"  stratagem {sg.__version__}",
+        f"  stratagem {_version('stratagem')}",
         f"  attrs {_version('attrs')}, numpy {_version('numpy')}",
         f"  demo extras: scikit-learn {_version('scikit-learn')}, tqdm {_version('tqdm')}",
     ]
