@@ -40,6 +40,8 @@ def install(session: nox.Session, *extra: str) -> None:
 def tests(session: nox.Session) -> None:
     # demo: the CLI tests train on scikit-learn's digits; ray: the Ray launch field's tests
     install(session, "testing", "demo", "ray")
+    # The reference safetensors reader and writer, which stratagem's own are tested against.
+    session.install("safetensors", *CONSTRAINTS)
     # The 20 slowest tests close every run; a later --durations=N among the posargs wins.
     session.run("pytest", "--durations=20", *session.posargs)
 

@@ -279,7 +279,9 @@ def import_floors() -> tuple[dict[str, set[str]], dict[str, int]]:
     def floor(room: str, below: tuple[str, ...] = ()) -> int:
         assert room not in below, f"an import circle: {' -> '.join((*below, room))}"
         if room not in floors:
-            floors[room] = 1 + max((floor(t, (*below, room)) for t in edges.get(room, ())), default=0)
+            floors[room] = 1 + max(
+                (floor(t, (*below, room)) for t in edges.get(room, ())), default=0
+            )
         return floors[room]
 
     for room in list(edges):

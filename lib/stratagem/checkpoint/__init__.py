@@ -5,7 +5,9 @@ restores modules, optimizers and objects in place and returns the plain
 values; ``describe(path)`` lists what a checkpoint holds; ``latest(dir)``
 finds the newest one; ``exists(path)`` says whether there is one to load
 (rather than ``os.path.exists``); ``per_rank(value)`` marks an entry each rank saves and
-restores for itself (every other entry is saved from rank 0). See
+restores for itself (every other entry is saved from rank 0).
+``export_weights``/``import_weights`` write and read a module's weights in the
+formats people share (a consolidated ``.pt``, safetensors). See
 ``docs/checkpoints.md``.
 """
 
@@ -21,6 +23,8 @@ from stratagem.checkpoint.saving import save as save
 from stratagem.checkpoint.summary import Description as Description
 from stratagem.checkpoint.summary import TensorInfo as TensorInfo
 from stratagem.checkpoint.summary import describe as describe
+from stratagem.checkpoint.weights import export_weights as export_weights
+from stratagem.checkpoint.weights import import_weights as import_weights
 from stratagem.errors import CheckpointError as CheckpointError
 
 __all__ = [
@@ -31,6 +35,8 @@ __all__ = [
     "TensorInfo",
     "describe",
     "exists",
+    "export_weights",
+    "import_weights",
     "latest",
     "load",
     "per_rank",

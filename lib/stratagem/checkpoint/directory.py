@@ -74,6 +74,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from stratagem.checkpoint.safetensor_files import INDEX
 from stratagem.errors import CheckpointError, UsageError, describe
 
 if TYPE_CHECKING:
@@ -215,9 +216,21 @@ def _write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     _fsync_directory(directory)
 
 
+_IMPORT = "sg.checkpoint.import_weights(path, module, ctx)"
+WEIGHT_FILES = {".pt": "pt", ".pth": "pt", ".bin": "pt", ".safetensors": "safetensors"}
+"""The files `stratagem.checkpoint.weights` reads and writes, by suffix, and their formats."""
+
+
 def unreadable(directory: Path, what: str) -> CheckpointError:
     """Return the error of a load that found ``directory`` unreadable: ``what`` says why."""
     return CheckpointError(f"load: {os.fspath(directory)!r} is not a readable checkpoint: {what}.")
+
+
+def _a_file(path: Path) -> CheckpointError:
+    hint = (
+        f"; to read weights from it, use {_IMPORT}" if path.suffix.lower() in WEIGHT_FILES else ""
+    )
+    return unreadable(path, f"it is a file; a checkpoint is a directory{hint}")
 
 
 def _read_small(path: Path, limit: int) -> bytes:
@@ -247,7 +260,14 @@ def read_manifest(directory: Path, shown: Path | None = None) -> dict[str, Any]:
     try:
         text = _read_small(directory / MANIFEST, _MAX_MANIFEST).decode("utf-8")
     except FileNotFoundError:
-        raise unreadable(named, f"it has no {MANIFEST} (not a stratagem checkpoint)") from None
+        hint = (
+            f"; it is a sharded safetensors export: read it with {_IMPORT}"
+            if (directory / INDEX).exists()
+            else ""
+        )
+        raise unreadable(
+            named, f"it has no {MANIFEST} (not a stratagem checkpoint){hint}"
+        ) from None
     except (OSError, UnicodeDecodeError) as error:  # a link, a FIFO, a device, huge or not text
         reason = error.strerror if isinstance(error, OSError) else "not UTF-8 text"
         raise unreadable(named, f"{MANIFEST} is not a manifest ({reason})") from None
@@ -343,7 +363,7 @@ def pinned(directory: Path) -> Iterator[Found]:
     try:
         directory_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     except NotADirectoryError:
-        raise unreadable(directory, "it is a file; a checkpoint is a directory") from None
+        raise _a_file(directory) from None
     with contextlib.ExitStack() as held:
         held.callback(os.close, directory_fd)
         pinned_directory = Path(f"/proc/self/fd/{directory_fd}")
@@ -424,7 +444,12 @@ def resolve(target: Path) -> Found:
     """
     if target.exists():
         if not target.is_dir():
-            raise unreadable(target, "it is a file; a checkpoint is a directory")
+            hint = (
+                f"; to read weights from it, use {_IMPORT}"
+                if target.suffix.lower() in WEIGHT_FILES
+                else ""
+            )
+            raise unreadable(target, f"it is a file; a checkpoint is a directory{hint}")
         return Found(target, read_manifest(target))
     previous = _newest(_siblings(target, _OLD))
     if previous is None:
