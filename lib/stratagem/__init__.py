@@ -69,6 +69,8 @@ if _typing.TYPE_CHECKING:
     from stratagem.strategies.fsdp import fsdp as fsdp
     from stratagem.strategies.fsdp import fsdp_spawn as fsdp_spawn
     from stratagem.strategies.fsdp import hsdp as hsdp
+    from stratagem.strategies.fsdp_groups import ShardGroup as ShardGroup
+    from stratagem.strategies.fsdp_groups import shard_group as shard_group
     from stratagem.strategies.fsdp_units import above_parameters as above_parameters
     from stratagem.strategies.fsdp_units import every_module_of as every_module_of
     from stratagem.strategies.pipeline import pipeline as pipeline
@@ -141,6 +143,8 @@ _WHERE: dict[str, str] = {
     "hsdp": "stratagem.strategies.fsdp",
     "pipeline": "stratagem.strategies.pipeline",
     "single_device": "stratagem.strategies.single",
+    "ShardGroup": "stratagem.strategies.fsdp_groups",
+    "shard_group": "stratagem.strategies.fsdp_groups",
     "Strategy": "stratagem.strategy",
     "StrategyLike": "stratagem.strategy",
     "move_to_device": "stratagem.training",

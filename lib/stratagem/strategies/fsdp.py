@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Unpack, cast
 
 import attrs
@@ -27,6 +27,7 @@ from stratagem.launching import Spawn, spawned
 from stratagem.meshes import JoinMesh, ShardSize
 from stratagem.process_group import JoinProcessGroup, WorldOptions
 from stratagem.strategies.ddp import ddp
+from stratagem.strategies.fsdp_groups import ShardGroup
 from stratagem.strategies.fsdp_units import ShardPolicy, WrapFSDP, is_sharded
 from stratagem.strategy import Strategy
 from stratagem.validators import is_int, require
@@ -102,6 +103,7 @@ def fsdp(
     shard_size: ShardSize = "world",
     sync_module_states: bool = True,
     offload: bool = False,
+    groups: Sequence[ShardGroup] = (),
     **world: Unpack[WorldOptions],
 ) -> Strategy:
     """Fully sharded data parallel (``fully_shard``) on the ranks torchrun or SLURM started.
@@ -127,6 +129,13 @@ def fsdp(
             rank's own initialisation (the caller guarantees they agree).
         offload: keep sharded parameters, gradients and optimizer state in host
             memory between uses (FSDP2's ``CPUOffloadPolicy``; pinned on CUDA).
+        groups: `shard_group` records, sharded before ``shard_when``'s picks:
+            each group's modules are gathered together, with the group's own
+            ``reshard_after_forward``, ``mp_policy`` and ``shard_placement_fn``
+            where it sets them. torchtitan's layout is
+            ``groups=[*(shard_group(f"layers.{i}") for i in range(n - 1)),
+            shard_group(f"layers.{n - 1}", reshard_after_forward=False),
+            shard_group("norm", "output", reshard_after_forward=False)]``.
         **world: how the ranks join their world (`WorldOptions`), as for `ddp`.
 
     Raises:
@@ -143,6 +152,7 @@ def fsdp(
             mp_policy=mp_policy,
             sync_module_states=sync_module_states,
             offload=offload,
+            groups=groups,
         ),
         no_sync=fsdp_no_sync,
         update=fsdp_update,

@@ -23,6 +23,7 @@ from stratagem.env import Context, check_context
 from stratagem.errors import CombinatorError, UsageError, describe
 from stratagem.precisions import BATCH_NORMS, precision_of
 from stratagem.replicas import check_same_layout
+from stratagem.strategies.fsdp_groups import ShardGroup, as_groups, check_groups, shard_groups
 from stratagem.validators import a_bool, callable_field, field, is_int, non_negative_int, require
 
 if TYPE_CHECKING:
@@ -210,6 +211,9 @@ class WrapFSDP:
     mp_policy: MixedPrecisionPolicy | None = attrs.field(default=None, validator=_MP_POLICY)
     sync_module_states: bool = attrs.field(default=True, validator=a_bool("fsdp({name}=...)"))
     offload: bool = attrs.field(default=False, validator=a_bool("fsdp({name}=...)"))
+    groups: tuple[ShardGroup, ...] = attrs.field(
+        default=(), converter=as_groups, validator=lambda _, __, v: check_groups(v)
+    )
 
     def __call__(self, module: torch.nn.Module, ctx: Context) -> torch.nn.Module:
         from torch.distributed.fsdp import fully_shard
@@ -224,13 +228,18 @@ class WrapFSDP:
                 "wrap: ctx.extras has no 'mesh'; pass the Context that fsdp().setup returned, "
                 "or add one: ctx.with_extras(mesh=device_mesh(ctx))."
             )
-        reshard = self.reshard_after_forward
         shard_size = ctx.data_mesh.shape[-1]  # HSDP shards over the last data dimension
-        if is_int(reshard, 2) and shard_size % reshard:  # refused before anything is changed
-            raise UsageError(
-                f"wrap: fsdp(reshard_after_forward={reshard}) must divide the shard group's "
-                f"size, {shard_size} rank(s) here; pass a factor of it, True or False."
-            )
+        _check_reshard(self.reshard_after_forward, shard_size, "fsdp")  # before any change
+        policy = self._policy(ctx)
+
+        def check(group: ShardGroup) -> None:
+            _check_reshard(group.reshard_after_forward, shard_size, "shard_group")
+            if group.mp_policy is not None and policy is not None and self.mp_policy is None:
+                raise CombinatorError(
+                    f"wrap: shard_group{group.modules!r} sets mp_policy, but with_precision "
+                    "sets the run's; pass either a group's mp_policy or with_precision, not both."
+                )
+
         if self.sync_module_states:
             # Shards of different initialisations would stitch together a model no rank built.
             _copy_rank_zeros_states(module, ctx)
@@ -239,7 +248,6 @@ class WrapFSDP:
         options: dict[str, Any] = {"mesh": ctx.data_mesh}
         if self.reshard_after_forward is not None:  # None: torch's default for root and children
             options["reshard_after_forward"] = self.reshard_after_forward
-        policy = self._policy(ctx)
         if policy is not None:
             options["mp_policy"] = policy
         if self.offload:
@@ -253,6 +261,8 @@ class WrapFSDP:
             exact = dataclasses.replace(policy, param_dtype=torch.float32)
             for norm in [m for m in _bottom_up(module) if isinstance(m, BATCH_NORMS)]:
                 fully_shard(norm, **{**options, "mp_policy": exact})
+        if self.groups:
+            shard_groups(module, self.groups, options, check)
         if self.shard_when is not None:
             # Post-order: a policy sees a module after its chosen descendants are sharded.
             for child in [m for m in _bottom_up(module) if _has_forward(m)]:
@@ -274,6 +284,14 @@ class WrapFSDP:
                 "fsdp(mp_policy=...) or with_precision, not both."
             )
         return wanted
+
+
+def _check_reshard(reshard: object, shard_size: int, where: str) -> None:
+    if is_int(reshard, 2) and shard_size % reshard:  # type: ignore[operator]
+        raise UsageError(
+            f"wrap: {where}(reshard_after_forward={reshard}) must divide the shard group's "
+            f"size, {shard_size} rank(s) here; pass a factor of it, True or False."
+        )
 
 
 def _copy_rank_zeros_states(module: torch.nn.Module, ctx: Context) -> None:
