@@ -239,6 +239,13 @@ ROWS: list[Row] = [
         ("torch.nn.Module subclasses", "a Linear")),
     Row("above_parameters", "count=-1", lambda k: sg.above_parameters(-1), U,
         ("'count' must be a non-negative int", "got -1, an int")),
+    Row("shard_group", "no names", lambda k: sg.shard_group(), U,
+        ("name one or more submodules, each once", "got (), a tuple")),
+    Row("shard_group", "reshard_after_forward=1",
+        lambda k: sg.shard_group("norm", reshard_after_forward=1), U,
+        ("reshard_after_forward", "got 1, an int")),
+    Row("ShardGroup", "modules as one str", lambda k: sg.ShardGroup("norm"), U,
+        ("name one or more submodules", "got 'norm', a str")),
     # --- combinators: unknown precision, bad options, not a strategy ----------------------
     Row("with_precision", "'fp8'", lambda k: sg.with_precision(k.strategy, "fp8"), U,
         ("'precision' must be one of '32-true'", "'16-mixed'", "got 'fp8', a str")),
