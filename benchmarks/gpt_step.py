@@ -8,10 +8,10 @@ its own model (the same initial weights) and optimizer in its own function, and 
 runs in this process, eager and then compiled (``torch.compile``; ``sg.compiled`` for
 stratagem). Timed blocks of steps rotate between the sides, synchronised with the device;
 the median block gives ms per step, the ratio to the hand-written loop, tokens/s, and MFU
-against the device's dense bf16 peak (`PEAK_BF16_TFLOPS`; "n/a" for an unknown device or
-the CPU). Fabric and Accelerate are optional: a side whose library is not installed is a
-row saying so. Used by `benchmarks.gpu_check`; ``python -m benchmarks.gpt_step`` prints
-the rows alone.
+against the device's dense bf16 peak (`stratagem.throughput.PEAK_FLOPS`; "n/a" for an
+unknown device or the CPU). Fabric and Accelerate are optional: a side whose library is
+not installed is a row saying so. Used by `benchmarks.gpu_check`; ``python -m
+benchmarks.gpt_step`` prints the rows alone.
 """
 
 from __future__ import annotations
@@ -33,24 +33,10 @@ import torch
 
 import stratagem as sg
 from benchmarks.timing import fixed_threads
+from stratagem import throughput
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_NORM = 1.0
-# Dense bf16 tensor-core peaks, TFLOPS, from the vendors' data sheets (SXM parts unless
-# named); the first name found in torch.cuda.get_device_name() wins, so specific first.
-PEAK_BF16_TFLOPS = (
-    ("H100 PCIe", 756.0),
-    ("H100 NVL", 835.0),
-    ("H200", 989.0),
-    ("H100", 989.0),
-    ("GH200", 989.0),
-    ("B200", 2250.0),
-    ("A100", 312.0),
-    ("L40S", 362.0),
-    ("A10G", 70.0),
-    ("L4", 121.0),
-)
-
 Batch = tuple[torch.Tensor, torch.Tensor]
 Step = Callable[[Batch], None]
 
@@ -76,7 +62,8 @@ def peak_tflops(device: torch.device) -> float | None:
 
 def peak_of(name: str) -> float | None:
     """The dense bf16 peak in TFLOPS of the device called ``name``; None where unknown."""
-    return next((peak for known, peak in PEAK_BF16_TFLOPS if known in name), None)
+    peak = throughput.peak_of(name)  # the library's table, which the GPT example also reads
+    return None if peak is None else peak / 1e12
 
 
 @cache

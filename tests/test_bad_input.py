@@ -246,6 +246,17 @@ ROWS: list[Row] = [
         ("reshard_after_forward", "got 1, an int")),
     Row("ShardGroup", "modules as one str", lambda k: sg.ShardGroup("norm"), U,
         ("name one or more submodules", "got 'norm', a str")),
+    Row("step_flops", "module not a module", lambda k: sg.step_flops("net", torch.ones(1)), U,
+        ("'module' must be a torch.nn.Module", "got 'net', a str")),
+    Row("step_flops", "forward returns no loss",
+        lambda k: sg.step_flops(torch.nn.Linear(2, 2), torch.ones(1, 2), lambda m, b: m(b)), U,
+        ("'forward' must return the loss, a tensor of one element", "a Tensor")),
+    Row("rates", "seconds=0", lambda k: sg.rates(flops=1, tokens=1, seconds=0), U,
+        ("'seconds' must be a number above 0", "got 0, an int")),
+    Row("rates", "tokens=-1", lambda k: sg.rates(flops=1, tokens=-1, seconds=1), U,
+        ("'tokens' must be a count >= 0", "got -1, an int")),
+    Row("peak_flops", "device='gpu'", lambda k: sg.peak_flops("gpu"), U,
+        ("peak_flops: 'device' must be", "got 'gpu', a str")),
     # --- combinators: unknown precision, bad options, not a strategy ----------------------
     Row("with_precision", "'fp8'", lambda k: sg.with_precision(k.strategy, "fp8"), U,
         ("'precision' must be one of '32-true'", "'16-mixed'", "got 'fp8', a str")),
@@ -682,6 +693,7 @@ ERRORS_AND_TYPES = {
     "StrategyFieldError",
     "StrategyLike",
     "TraceEvent",  # a record the library fills in, not an input
+    "Rates",  # likewise
     "UsageError",
 }
 

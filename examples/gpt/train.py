@@ -331,7 +331,16 @@ def train(strategy: sg.StrategyLike, ctx: sg.Context, config: Config) -> dict[st
     splits = {"train": text_data[:n], "val": text_data[n:]}
     batches = Batches(splits["train"], config, stream_seed(config.seed, ctx.rank, "train"))
 
-    model = strategy.wrap(GPT(config, len(chars)), ctx)  # rank 0's initial weights everywhere
+    plain = GPT(config, len(chars))
+    # FLOPs of one micro-batch's forward and backward, counted on the plain model before wrap
+    # (no collectives run; the count leaves weights and random streams as they were).
+    shape = (config.batch_size, config.block_size)
+    zeros = torch.zeros(shape, dtype=torch.long)
+    flops = sg.step_flops(plain, (zeros, zeros), lm_loss) * config.gradient_accumulation_steps
+    tokens = config.batch_size * config.block_size * config.gradient_accumulation_steps
+    dtype = torch.bfloat16 if config.precision.startswith("bf16") else torch.float32
+    peak = sg.peak_flops(ctx.device, dtype)  # None on the CPU: MFU is printed as n/a
+    model = strategy.wrap(plain, ctx)  # rank 0's initial weights everywhere
     optimizer = configure_optimizer(model, config)  # after wrap: FSDP replaces the parameters
     iter_num, best_val_loss = 0, 1e9
     ckpt = None if config.checkpoint_dir is None else os.path.join(config.checkpoint_dir, "ckpt")
@@ -394,8 +403,10 @@ def train(strategy: sg.StrategyLike, ctx: sg.Context, config: Config) -> dict[st
         t1 = time.perf_counter()
         dt, t0 = t1 - t0, t1
         if iter_num % config.log_interval == 0 and ctx.is_main and config.verbose:
+            step = sg.rates(flops=flops, tokens=tokens, seconds=dt, peak=peak)  # this rank's
             print(
-                f"iter {iter_num}: loss {losses[-1]:.4f}, lr {lr:.2e}, time {dt * 1000:.1f}ms",
+                f"iter {iter_num}: loss {losses[-1]:.4f}, lr {lr:.2e}, time {dt * 1000:.1f}ms, "
+                f"{step}",
                 flush=True,
             )
         iter_num += 1

@@ -77,6 +77,10 @@ if _typing.TYPE_CHECKING:
     from stratagem.strategies.single import single_device as single_device
     from stratagem.strategy import Strategy as Strategy
     from stratagem.strategy import StrategyLike as StrategyLike
+    from stratagem.throughput import Rates as Rates
+    from stratagem.throughput import peak_flops as peak_flops
+    from stratagem.throughput import rates as rates
+    from stratagem.throughput import step_flops as step_flops
     from stratagem.training import clip_grad_norm as clip_grad_norm
     from stratagem.training import move_to_device as move_to_device
 
@@ -148,6 +152,10 @@ _WHERE: dict[str, str] = {
     "Strategy": "stratagem.strategy",
     "StrategyLike": "stratagem.strategy",
     "move_to_device": "stratagem.training",
+    "Rates": "stratagem.throughput",
+    "peak_flops": "stratagem.throughput",
+    "rates": "stratagem.throughput",
+    "step_flops": "stratagem.throughput",
 }
 
 __all__ = sorted(_WHERE)  # each name is written twice: in _WHERE and in the imports above
