@@ -7,11 +7,19 @@ policy is a plain function ``module -> bool``, the same shape as ``fsdp()``'s
 applied before the inner ``wrap`` shards or splits the module, with torch's
 composable ``checkpoint``, which hooks the module in place: parameter names,
 and so checkpoints, stay as they were.
+
+With ``save=`` the recomputation is selective, by op (torchtitan's default):
+the outputs of the ops named are kept from the forward (matrix multiplies,
+attention: the expensive ones), and only the rest is recomputed, through
+``torch.utils.checkpoint.create_selective_checkpoint_contexts``. The ops are
+held by name (``"aten.mm.default"``), which pickles to spawned ranks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import attrs
 import torch
@@ -39,12 +47,19 @@ class CheckpointWrap:
 
     inner: WrapFn
     policy: CheckpointPolicy
+    save: tuple[str, ...] = ()
 
     def __call__(self, module: torch.nn.Module, ctx: Context) -> torch.nn.Module:
         from torch.distributed._composable.checkpoint_activation import checkpoint
 
         require(isinstance(module, torch.nn.Module), "wrap: 'module'", "a torch.nn.Module", module)
         check_context(ctx, "wrap")
+        options: dict[str, Any] = {}
+        if self.save:
+            from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+            ops = [_op(name) for name in self.save]
+            options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, ops)
         picked: list[str] = []
         for name, child in module.named_modules():
             if not name or any(name.startswith(f"{p}.") for p in picked):
@@ -57,13 +72,53 @@ class CheckpointWrap:
                     f"(a {type(child).__name__})."
                 )
             if decision:
-                checkpoint(child)
+                checkpoint(child, **options)
                 picked.append(name)
         return self.inner(module, ctx)
 
 
-def with_activation_checkpointing(strategy: Strategy, policy: CheckpointPolicy) -> Strategy:
+def _op(name: str) -> Any:
+    """Return the op overload called ``name`` (``"aten.mm.default"``)."""
+    found: Any = torch.ops
+    for part in name.split("."):
+        found = getattr(found, part, None)
+        if found is None:
+            break
+    if type(found).__name__ != "OpOverload":
+        raise UsageError(
+            f"with_activation_checkpointing: save names {name!r}, which is not an op overload "
+            "of torch.ops; name one as 'aten.mm.default' or pass torch.ops.aten.mm.default."
+        )
+    return found
+
+
+def _op_names(save: Iterable[object]) -> tuple[str, ...]:
+    if isinstance(save, (str, bytes)) or not isinstance(save, Iterable):
+        raise UsageError(
+            f"with_activation_checkpointing: 'save' must be a list of ops (got {describe(save)}), "
+            "e.g. save=[torch.ops.aten.mm.default]."
+        )
+    names = []
+    for op in save:
+        if type(op).__name__ == "OpOverloadPacket":
+            raise UsageError(
+                f"with_activation_checkpointing: save names {op}, every overload of an op; "
+                f"name the one meant, e.g. {op}.default."
+            )
+        name = op if isinstance(op, str) else str(op)
+        _op(name)  # refuses a name that is not an overload, before any rank starts
+        names.append(name)
+    return tuple(names)
+
+
+def with_activation_checkpointing(
+    strategy: Strategy, policy: CheckpointPolicy, *, save: Iterable[object] = ()
+) -> Strategy:
     """Recompute the activations of the submodules ``policy`` picks during backward.
+
+    ``save`` makes it selective by op: the outputs of these ops (overloads,
+    such as ``torch.ops.aten.mm.default``, or their names) are kept from the
+    forward, everything else in a picked module is recomputed.
 
     Fields touched: ``wrap`` only (`CheckpointWrap`, before the inner wrap).
     Training is unchanged: the recomputed forward gives the same values, so a
@@ -91,6 +146,5 @@ def with_activation_checkpointing(strategy: Strategy, policy: CheckpointPolicy) 
             f"with_activation_checkpointing: strategy {strategy.name!r} already checkpoints "
             "activations; apply it once, with one policy."
         )
-    return attrs.evolve(
-        strategy, name=f"{strategy.name}+checkpointing", wrap=CheckpointWrap(strategy.wrap, policy)
-    )
+    wrap = CheckpointWrap(strategy.wrap, policy, _op_names(save))
+    return attrs.evolve(strategy, name=f"{strategy.name}+checkpointing", wrap=wrap)
