@@ -4,6 +4,11 @@ Compiling after the inner wrap puts the compiler around DDP (whose
 ``DDPOptimizer`` then splits graphs at bucket boundaries) rather than inside
 it. ``torch._dynamo`` takes seconds to import, so nothing here imports it
 before a strategy is applied; checking the options imports it then.
+
+With ``blocks=`` (a policy ``module -> bool``, as ``fsdp()``'s ``shard_when``)
+each picked submodule is compiled on its own, in place, before the inner wrap
+shards it, as torchtitan compiles each transformer block: the graphs stay
+small and FSDP's hooks stay outside them.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import attrs
@@ -19,7 +24,7 @@ import torch
 
 from stratagem.combinators._base import CombinatorError, applied, check_strategy
 from stratagem.env import Context
-from stratagem.errors import UsageError
+from stratagem.errors import UsageError, describe
 from stratagem.fields import WrapFn
 from stratagem.strategy import Strategy
 
@@ -50,11 +55,29 @@ class CompiledWrap:
 
     inner: WrapFn
     options: tuple[tuple[str, Any], ...] = ()
+    blocks: Callable[[torch.nn.Module], bool] | None = None
 
     def __call__(self, module: torch.nn.Module, ctx: Context) -> torch.nn.Module:
-        wrapped = self.inner(module, ctx)
+        if self.blocks is None:
+            wrapped = self.inner(module, ctx)
+            with _torch_import_warnings_ignored():
+                return cast(torch.nn.Module, torch.compile(wrapped, **dict(self.options)))
+        picked: list[str] = []
+        for name, child in module.named_modules():
+            if not name or any(name.startswith(f"{p}.") for p in picked):
+                continue  # the root, or inside a block already compiled whole
+            decision = self.blocks(child)
+            if not isinstance(decision, bool):
+                raise UsageError(
+                    f"wrap: compiled(blocks={self.blocks!r}) must return True or False, but "
+                    f"returned {describe(decision)} for {name!r} (a {type(child).__name__})."
+                )
+            if decision:
+                picked.append(name)
         with _torch_import_warnings_ignored():
-            return cast(torch.nn.Module, torch.compile(wrapped, **dict(self.options)))
+            for name in picked:  # in place: the names (and checkpoints) stay as they were
+                module.get_submodule(name).compile(**dict(self.options))
+        return self.inner(module, ctx)
 
 
 _NOT_OPTIONS = ("model",)  # the module comes from wrap
@@ -93,8 +116,17 @@ def _check_values(options: dict[str, Any]) -> None:
         ) from None
 
 
-def compiled(strategy: Strategy, **torch_compile_options: Any) -> Strategy:
+def compiled(
+    strategy: Strategy,
+    *,
+    blocks: Callable[[torch.nn.Module], bool] | None = None,
+    **torch_compile_options: Any,
+) -> Strategy:
     """Compile the wrapped module with ``torch.compile(**torch_compile_options)``.
+
+    With ``blocks``, compile each submodule the policy picks instead, one by
+    one and before the inner wrap (per-block compile, as torchtitan does);
+    the root and the wrappers around it are not compiled.
 
     The module is compiled after the inner ``wrap`` (so around DDP or FSDP, as
     torch recommends); ``step`` calls the compiled module as it would the plain
@@ -108,6 +140,8 @@ def compiled(strategy: Strategy, **torch_compile_options: Any) -> Strategy:
 
     Args:
         strategy: the strategy whose modules to compile.
+        blocks: ``None`` (compile the whole wrapped module), or a policy
+            ``module -> bool`` such as ``sg.every_module_of(Block)``.
         **torch_compile_options: keyword arguments of ``torch.compile``
             (``mode``, ``backend``, ``fullgraph``, ``dynamic``, ``options``, ...).
 
@@ -126,10 +160,16 @@ def compiled(strategy: Strategy, **torch_compile_options: Any) -> Strategy:
         raise CombinatorError(
             f"compiled: strategy {strategy.name!r} is already compiled; apply compiled once."
         )
+    if blocks is not None and not callable(blocks):
+        raise UsageError(
+            f"compiled: 'blocks' must be a function module -> bool or None (got "
+            f"{describe(blocks)}), e.g. blocks=sg.every_module_of(MyBlock)."
+        )
     _check_names(torch_compile_options)
     _check_values(torch_compile_options)
+    options = tuple(sorted(torch_compile_options.items()))
     return attrs.evolve(
         strategy,
         name=f"{strategy.name}+compiled",
-        wrap=CompiledWrap(strategy.wrap, tuple(sorted(torch_compile_options.items()))),
+        wrap=CompiledWrap(strategy.wrap, options, blocks),
     )
