@@ -16,12 +16,13 @@ out (`in_reference`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 import torch
 
-from stratagem.errors import CombinatorError, UsageError
+from stratagem.errors import CombinatorError, UsageError, describe
 from stratagem.optimizer_hooks import root_optimizer
 from stratagem.strategy import FIELD_SIGNATURES, Strategy, StrategyLike, not_a_strategy
 
@@ -31,9 +32,38 @@ __all__ = [
     "check_strategy",
     "gradients",
     "in_reference",
+    "outermost_picks",
     "peel",
     "rebased",
 ]
+
+
+def outermost_picks(
+    module: torch.nn.Module, policy: Callable[[torch.nn.Module], bool], who: str
+) -> list[torch.nn.Module]:
+    """Return the submodules (not the root) ``policy`` picks, asking none inside a pick.
+
+    A pick's descendants are not asked: recomputing or compiling the outer
+    module covers them. ``who`` names the policy in the error for a non-bool answer.
+
+    Raises:
+        UsageError: ``policy`` returned something other than True or False.
+    """
+    picked: list[str] = []
+    found: list[torch.nn.Module] = []
+    for name, child in module.named_modules():
+        if not name or any(name.startswith(f"{p}.") for p in picked):
+            continue
+        decision = policy(child)
+        if not isinstance(decision, bool):
+            raise UsageError(
+                f"wrap: {who} must return True or False, but returned {describe(decision)} "
+                f"for {name!r} (a {type(child).__name__})."
+            )
+        if decision:
+            picked.append(name)
+            found.append(child)
+    return found
 
 
 def check_strategy(strategy: object, combinator: str) -> Strategy:

@@ -24,7 +24,12 @@ from typing import Any
 import attrs
 import torch
 
-from stratagem.combinators._base import CombinatorError, applied, check_strategy
+from stratagem.combinators._base import (
+    CombinatorError,
+    applied,
+    check_strategy,
+    outermost_picks,
+)
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
 from stratagem.fields import WrapFn
@@ -60,20 +65,10 @@ class CheckpointWrap:
 
             ops = [_op(name) for name in self.save]
             options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, ops)
-        picked: list[str] = []
-        for name, child in module.named_modules():
-            if not name or any(name.startswith(f"{p}.") for p in picked):
-                continue
-            decision = self.policy(child)
-            if not isinstance(decision, bool):
-                raise UsageError(
-                    f"wrap: the checkpointing policy {self.policy!r} must return True or False, "
-                    f"but returned {describe(decision)} for {name!r} "
-                    f"(a {type(child).__name__})."
-                )
-            if decision:
-                checkpoint(child, **options)
-                picked.append(name)
+        for child in outermost_picks(
+            module, self.policy, f"the checkpointing policy {self.policy!r}"
+        ):
+            checkpoint(child, **options)
         return self.inner(module, ctx)
 
 

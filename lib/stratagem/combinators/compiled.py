@@ -22,7 +22,12 @@ from typing import Any, cast
 import attrs
 import torch
 
-from stratagem.combinators._base import CombinatorError, applied, check_strategy
+from stratagem.combinators._base import (
+    CombinatorError,
+    applied,
+    check_strategy,
+    outermost_picks,
+)
 from stratagem.env import Context
 from stratagem.errors import UsageError, describe
 from stratagem.fields import WrapFn
@@ -62,21 +67,10 @@ class CompiledWrap:
             wrapped = self.inner(module, ctx)
             with _torch_import_warnings_ignored():
                 return cast(torch.nn.Module, torch.compile(wrapped, **dict(self.options)))
-        picked: list[str] = []
-        for name, child in module.named_modules():
-            if not name or any(name.startswith(f"{p}.") for p in picked):
-                continue  # the root, or inside a block already compiled whole
-            decision = self.blocks(child)
-            if not isinstance(decision, bool):
-                raise UsageError(
-                    f"wrap: compiled(blocks={self.blocks!r}) must return True or False, but "
-                    f"returned {describe(decision)} for {name!r} (a {type(child).__name__})."
-                )
-            if decision:
-                picked.append(name)
+        blocks = outermost_picks(module, self.blocks, f"compiled(blocks={self.blocks!r})")
         with _torch_import_warnings_ignored():
-            for name in picked:  # in place: the names (and checkpoints) stay as they were
-                module.get_submodule(name).compile(**dict(self.options))
+            for block in blocks:  # in place: the names (and checkpoints) stay as they were
+                block.compile(**dict(self.options))
         return self.inner(module, ctx)
 
 

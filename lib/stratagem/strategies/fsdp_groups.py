@@ -21,7 +21,15 @@ from stratagem.validators import callable_field, field, is_int
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-__all__ = ["ShardGroup", "as_groups", "check_groups", "shard_group", "shard_groups"]
+__all__ = [
+    "ShardGroup",
+    "as_groups",
+    "check_groups",
+    "is_mp_policy",
+    "is_reshard",
+    "shard_group",
+    "shard_groups",
+]
 
 
 def _names(instance: object, attribute: attrs.Attribute[tuple[str, ...]], value: object) -> None:
@@ -37,10 +45,16 @@ def _names(instance: object, attribute: attrs.Attribute[tuple[str, ...]], value:
         )
 
 
-def _is_mp_policy(value: object) -> bool:
-    from torch.distributed.fsdp import MixedPrecisionPolicy  # slow to import: only when asked
+def is_mp_policy(value: object) -> bool:
+    """Whether ``value`` is a ``MixedPrecisionPolicy`` (imports FSDP, slowly: only when asked)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return isinstance(value, MixedPrecisionPolicy)
+
+
+def is_reshard(value: object) -> bool:
+    """Whether ``value`` is a ``reshard_after_forward``: None, a bool or a group size >= 2."""
+    return value is None or isinstance(value, bool) or is_int(value, 2)
 
 
 @attrs.frozen
@@ -54,7 +68,7 @@ class ShardGroup:
     reshard_after_forward: bool | int | None = attrs.field(
         default=None,
         validator=field(
-            lambda v: v is None or isinstance(v, bool) or is_int(v, 2),
+            is_reshard,
             "shard_group({name}=...)",
             "None, True, False or a shard group size of at least 2",
         ),
@@ -62,7 +76,7 @@ class ShardGroup:
     mp_policy: MixedPrecisionPolicy | None = attrs.field(
         default=None,
         validator=field(
-            _is_mp_policy,
+            is_mp_policy,
             "shard_group({name}=...)",
             "a torch.distributed.fsdp.MixedPrecisionPolicy",
             optional="None",

@@ -23,7 +23,14 @@ from stratagem.env import Context, check_context
 from stratagem.errors import CombinatorError, UsageError, describe
 from stratagem.precisions import BATCH_NORMS, precision_of
 from stratagem.replicas import check_same_layout
-from stratagem.strategies.fsdp_groups import ShardGroup, as_groups, check_groups, shard_groups
+from stratagem.strategies.fsdp_groups import (
+    ShardGroup,
+    as_groups,
+    check_groups,
+    is_mp_policy,
+    is_reshard,
+    shard_groups,
+)
 from stratagem.validators import a_bool, callable_field, field, is_int, non_negative_int, require
 
 if TYPE_CHECKING:
@@ -143,12 +150,6 @@ def is_sharded(module: torch.nn.Module) -> bool:
 # --- the wrap field: fully_shard bottom-up, as the policy says ---------------------------------
 
 
-def _is_mp_policy(value: object) -> bool:
-    from torch.distributed.fsdp import MixedPrecisionPolicy  # slow to import: only when asked
-
-    return isinstance(value, MixedPrecisionPolicy)
-
-
 _POLICY = callable_field(
     "fsdp({name}=...)",
     "a function module -> bool",
@@ -156,12 +157,12 @@ _POLICY = callable_field(
     hint="; e.g. every_module_of(MyBlock) or above_parameters(10**6)",
 )
 _RESHARD = field(
-    lambda v: v is None or isinstance(v, bool) or is_int(v, 2),
+    is_reshard,
     "fsdp({name}=...)",
     "None, True, False or a shard group size of at least 2",
 )
 _MP_POLICY = field(
-    _is_mp_policy,
+    is_mp_policy,
     "fsdp({name}=...)",
     "a torch.distributed.fsdp.MixedPrecisionPolicy",
     optional="None",
