@@ -125,12 +125,17 @@ def test_a_load_while_saves_commit_reads_one_version(tmp_path, processes):
     writer.start()
     try:
         assert started.wait(120)
-        versions = [loaded_version(path) for _ in range(3 * ROUNDS)]
+        # Load until the loads have met ROUNDS versions: how many loads that takes
+        # depends on how fast this machine saves against how fast it loads.
+        versions: list[int] = []
+        deadline = time.monotonic() + 120
+        while len(set(versions)) < ROUNDS and time.monotonic() < deadline:
+            versions.append(loaded_version(path))
     finally:
         stop.set()
         writer.join(60)
         if writer.is_alive():
             writer.kill()
     assert writer.exitcode == 0
-    assert len(set(versions)) >= ROUNDS // 2, f"the loads overlapped too few saves: {versions}"
+    assert len(set(versions)) >= ROUNDS, f"the loads met too few saves in 120 s: {versions}"
     assert versions == sorted(versions)
