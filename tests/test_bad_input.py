@@ -71,6 +71,10 @@ class Row:
         return f"{self.function}: {self.bad}"
 
 
+def _linear() -> torch.nn.Module:
+    return torch.nn.Linear(3, 2)
+
+
 def fn(strategy: Any, ctx: Any) -> int:
     return ctx.rank
 
@@ -257,6 +261,22 @@ ROWS: list[Row] = [
         ("'tokens' must be a count >= 0", "got -1, an int")),
     Row("peak_flops", "device='gpu'", lambda k: sg.peak_flops("gpu"), U,
         ("peak_flops: 'device' must be", "got 'gpu', a str")),
+    Row("dry_run", "world_size=0",
+        lambda k: sg.dry_run(k.strategy, _linear, torch.ones(1, 3), world_size=0), U,
+        ("dry_run: 'world_size' must be a positive int", "got 0, an int")),
+    Row("dry_run", "a model, not its factory",
+        lambda k: sg.dry_run(k.strategy, "net", torch.ones(1, 3), world_size=2), U,
+        ("dry_run: 'model' must be a function that builds the model", "got 'net', a str")),
+    Row("dry_run", "a factory returning no module",
+        lambda k: sg.dry_run(k.strategy, lambda: 3, torch.ones(1, 3), world_size=1), U,
+        ("'model' must be a function that returns a torch.nn.Module", "got 3, an int")),
+    Row("dry_run", "micro_batches=0",
+        lambda k: sg.dry_run(k.strategy, _linear, torch.ones(1, 3), world_size=2,
+                             micro_batches=0), U,
+        ("dry_run: 'micro_batches' must be a positive int", "got 0, an int")),
+    Row("dry_run", "strategy named by a string",
+        lambda k: sg.dry_run("fsdp", _linear, torch.ones(1, 3), world_size=2), U,
+        ("dry_run: 'strategy' must be a Strategy", "write sg.fsdp()")),
     # --- combinators: unknown precision, bad options, not a strategy ----------------------
     Row("with_precision", "'fp8'", lambda k: sg.with_precision(k.strategy, "fp8"), U,
         ("'precision' must be one of '32-true'", "'16-mixed'", "got 'fp8', a str")),
@@ -694,6 +714,9 @@ ERRORS_AND_TYPES = {
     "StrategyLike",
     "TraceEvent",  # a record the library fills in, not an input
     "Rates",  # likewise
+    "DryRun",  # likewise
+    "CollectiveCount",  # likewise
+    "DryRunError",
     "UsageError",
 }
 

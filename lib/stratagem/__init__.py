@@ -41,6 +41,7 @@ if _typing.TYPE_CHECKING:
     from stratagem.errors import CollectiveCallError as CollectiveCallError
     from stratagem.errors import CollectiveMismatchError as CollectiveMismatchError
     from stratagem.errors import CombinatorError as CombinatorError
+    from stratagem.errors import DryRunError as DryRunError
     from stratagem.errors import EnvError as EnvError
     from stratagem.errors import LaunchError as LaunchError
     from stratagem.errors import Preempted as Preempted
@@ -52,6 +53,9 @@ if _typing.TYPE_CHECKING:
     from stratagem.launching import Spawn as Spawn
     from stratagem.launching import launch as launch
     from stratagem.launching import spawned as spawned
+    from stratagem.planning.collectives import CollectiveCount as CollectiveCount
+    from stratagem.planning.dry_run import dry_run as dry_run
+    from stratagem.planning.report import DryRun as DryRun
     from stratagem.preemption import on_preemption as on_preemption
     from stratagem.ray_launching import RayLaunch as RayLaunch
     from stratagem.ray_launching import ray_launcher as ray_launcher
@@ -98,6 +102,10 @@ _WHERE: dict[str, str] = {
     "resume_or_start": "stratagem.checkpoint.resuming",
     "CollectiveMismatchError": "stratagem.errors",
     "CombinatorError": "stratagem.errors",
+    "DryRunError": "stratagem.errors",
+    "CollectiveCount": "stratagem.planning.collectives",
+    "dry_run": "stratagem.planning.dry_run",
+    "DryRun": "stratagem.planning.report",
     "ChromeTraceSink": "stratagem.combinators.tracing",
     "JsonLinesSink": "stratagem.combinators.tracing",
     "chrome_trace": "stratagem.combinators.tracing",

@@ -17,6 +17,7 @@ __all__ = [
     "CollectiveCallError",
     "CollectiveMismatchError",
     "CombinatorError",
+    "DryRunError",
     "EnvError",
     "LaunchError",
     "Preempted",
@@ -63,6 +64,10 @@ class CollectiveMismatchError(StratagemError, RuntimeError):
     """
 
     fingerprints: tuple[Any, ...] = ()
+
+
+class DryRunError(StratagemError, RuntimeError):
+    """A dry run could not simulate a strategy: a field or the model failed on fake tensors."""
 
 
 class LaunchError(StratagemError, RuntimeError):

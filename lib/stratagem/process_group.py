@@ -220,6 +220,8 @@ class JoinProcessGroup:
 
     def __call__(self, env: Env) -> Context:
         check_env(env, "setup")
+        if dist.is_initialized() and is_simulated(dist.group.WORLD):
+            return _join_simulated(env, self.device)
         if env.world_size > 1 and env.master_port == 0:
             # Port 0 would let rank 0's store pick any port, which the others cannot know.
             raise LaunchError(
@@ -305,6 +307,31 @@ class JoinProcessGroup:
 
 
 _timeouts: dict[dist.ProcessGroup, timedelta] = {}
+
+
+def is_simulated(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` belongs to a simulated world (torch's ``fake`` backend, as in `dry_run`).
+
+    A fake group sends nothing: an all-gather gives every rank this rank's
+    tensor, a reduction leaves it as it is.
+    """
+    return group is not None and dist.get_backend(group) == "fake"
+
+
+def _join_simulated(env: Env, device: DeviceSpec) -> Context:
+    """Join the simulated world in place (see `stratagem.planning`), as its rank ``env.rank``."""
+    world = dist.group.WORLD
+    assert world is not None  # the caller found it initialised
+    if (dist.get_world_size(), dist.get_rank()) != (env.world_size, env.rank):
+        raise LaunchError(
+            f"setup: the simulated world in place is rank {dist.get_rank()} of "
+            f"{dist.get_world_size()}, but the Env says rank {env.rank} of {env.world_size}; "
+            "describe the same world to both."
+        )
+    device = resolve_device(device, env.local_rank, env.local_world_size, warn=False)
+    # No store to meet at: nothing is sent, so save, load and barrier have no one to wait for.
+    arrivals = Arrivals(HashStore(), timeout=DEFAULT_TIMEOUT)
+    return Context(env=env, device=device, group=world, arrivals=arrivals)
 
 
 WorldOptions = TypedDict(  # noqa: UP013  # a type for keywords, not a class to derive from

@@ -7,6 +7,7 @@ example); these are the plain-PyTorch meaning of each field.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import sys
 import weakref
@@ -246,11 +247,18 @@ def move_to_device(batch: Any, device: torch.device | str) -> Any:
 def to_device(module: torch.nn.Module, ctx: Context) -> torch.nn.Module:
     """Move ``module`` to ``ctx.device`` (the ``wrap`` of a single device).
 
+    A module already there is returned as it is, and so is a module wholly on
+    the meta device: it is initialised after wrapping (``to_empty``), as
+    `fsdp` allows and `stratagem.planning.dry_run` does.
+
     Raises:
         UsageError: ``module`` is not a ``torch.nn.Module``, or ``ctx`` not a `Context`.
     """
     require(isinstance(module, torch.nn.Module), "wrap: 'module'", "a torch.nn.Module", module)
     check_context(ctx, "wrap")
+    devices = {t.device for t in itertools.chain(module.parameters(), module.buffers())}
+    if devices == {ctx.device} or devices == {torch.device("meta")}:
+        return module
     return module.to(ctx.device)
 
 
