@@ -21,6 +21,7 @@ from stratagem.env import Env
 from stratagem.errors import DryRunError, StratagemError, UsageError
 from stratagem.fields import ForwardFn, StrategyLike
 from stratagem.planning.collectives import CollectiveRecorder
+from stratagem.planning.layout import read_layout
 from stratagem.planning.report import DryRun
 from stratagem.planning.simulated_world import simulated_world
 from stratagem.strategy import not_a_strategy
@@ -189,6 +190,7 @@ def dry_run(
             ),
             peak={name: int(peak.get(key, 0)) for key, name in _CATEGORIES.items()},
             collectives=recorder.counts(),
+            layout=read_layout(wrapped),
         )
 
 

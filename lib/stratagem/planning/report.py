@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import attrs
 
 from stratagem.planning.collectives import CollectiveCount
+from stratagem.planning.layout import Layout
 
 __all__ = ["MEMORY_CATEGORIES", "DryRun"]
 
@@ -43,6 +44,7 @@ class DryRun:
         optimizer_state: bytes of the optimizer state this rank holds.
         peak: bytes at this rank's peak, by category (`MEMORY_CATEGORIES`).
         collectives: the collectives of one optimizer step, by kind and group size.
+        layout: how the wrapped model is split (FSDP groups, tensor-parallel layers).
     """
 
     strategy: str
@@ -53,6 +55,7 @@ class DryRun:
     optimizer_state: int
     peak: Mapping[str, int]
     collectives: tuple[CollectiveCount, ...]
+    layout: Layout = attrs.field(factory=Layout)
 
     @property
     def peak_bytes(self) -> int:

@@ -15,6 +15,12 @@ from stratagem.testing.laws.checkpoint import (
     check_checkpoint_round_trip as check_checkpoint_round_trip,
 )
 from stratagem.testing.laws.checkpoint import check_checkpoint_strict as check_checkpoint_strict
+from stratagem.testing.laws.collective_counts import (
+    check_collective_counts as check_collective_counts,
+)
+from stratagem.testing.laws.collective_counts import (
+    expected_collectives as expected_collectives,
+)
 from stratagem.testing.laws.collectives import check_broadcast as check_broadcast
 from stratagem.testing.laws.collectives import check_gather as check_gather
 from stratagem.testing.laws.collectives import check_reduce as check_reduce
@@ -49,6 +55,7 @@ __all__ = [
     "check_checkpoint_resume",
     "check_checkpoint_round_trip",
     "check_checkpoint_strict",
+    "check_collective_counts",
     "check_combinator_arithmetic",
     "check_data_parallel_step",
     "check_gather",
@@ -63,6 +70,7 @@ __all__ = [
     "check_single_rank_identities",
     "check_step_autocast",
     "check_wrap",
+    "expected_collectives",
     "first_difference",
     "run_on",
     "sgd",
