@@ -16,6 +16,7 @@ from benchmarks import (
     compiled_step,
     ddp_step,
     ddp_torchrun,
+    dry_run,
     fsdp_step,
     import_time,
     launch_startup,
@@ -53,6 +54,7 @@ BENCHMARKS: dict[str, Callable[[bool], report.Result]] = {
         restart_time,
         mesh_step,
         pipeline_step,
+        dry_run,
     )
 }
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -1,4 +1,4 @@
-"""The ``stratagem`` command line: ``demo``, ``env``, ``checkpoint``, and ``--version``.
+"""The ``stratagem`` command line: ``demo``, ``env``, ``checkpoint``, ``dry-run``, ``--version``.
 
 A mistake on the command line is one line on stderr and exit code 2; Ctrl-C
 stops every rank (the spawn launcher terminates them) and exits with 130.
@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
-from stratagem.cli import checkpointinfo, demo, envinfo
+from stratagem.cli import checkpointinfo, demo, dryruns, envinfo
 from stratagem.errors import RankError, StratagemError
 
 __all__ = ["main"]
@@ -34,6 +34,11 @@ _COMMANDS: dict[str, tuple[Configure, Run, str]] = {
         checkpointinfo.configure,
         checkpointinfo.run,
         "show what a checkpoint holds, without loading a model",
+    ),
+    "dry-run": (
+        dryruns.configure,
+        dryruns.run,
+        "plan a stack on a simulated world: memory and collectives per rank",
     ),
 }
 
