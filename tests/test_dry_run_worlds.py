@@ -32,6 +32,14 @@ def local_bytes(tensor: torch.Tensor) -> int:
     return held.numel() * held.element_size()
 
 
+def rank_zero_agrees(clean: bool) -> bool:
+    """Rank 0's `clean`, on every rank."""
+    flag = torch.tensor([float(clean)])
+    if torch.distributed.is_initialized():
+        torch.distributed.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
 def real_step(strategy, ctx, micro_batches: int):
     """Rank 0's held bytes, collectives and cleanest peak over one optimizer step, for real."""
     model = strategy.wrap(M.blocks(), ctx)
@@ -52,10 +60,11 @@ def real_step(strategy, ctx, micro_batches: int):
     state = sum(
         local_bytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
     )
-    # A tensor freed on a gloo thread is not recorded (benchmarks/memory.py): of six steps
-    # (as many on every rank: each is collective), one that leaves nothing unreleased is true.
+    # A tensor freed on a gloo thread is not recorded (benchmarks/memory.py): a step that leaves
+    # nothing unreleased is true. Steps run until rank 0 records one (at most 20, as many on
+    # every rank since each is collective; a loaded machine loses frees more often).
     records = []
-    for _ in range(6):
+    while len(records) < 20:
         gc.collect()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recorded:
             step()
@@ -65,6 +74,8 @@ def real_step(strategy, ctx, micro_batches: int):
             live += event.nbytes()
             peak = max(peak, live)
         records.append((live, peak))
+        if rank_zero_agrees(live == 0):
+            break
     _, peak = min(records)
     return parameters, state, recorder.counts(), parameters + state + peak, [r[0] for r in records]
 

@@ -379,10 +379,12 @@ def clip_norm_(
         norm = torch.nn.utils.get_total_norm(grads, norm_type)
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
         return norm
-    groups: dict[int, list[torch.Tensor]] = {}
+    # By mesh equality, not identity: torch hands out equal meshes as distinct objects (a spec
+    # cached from an earlier model keeps its own), and equal meshes are one mesh to DTensor.
+    groups: dict[Any, list[torch.Tensor]] = {}
     for parameter in parameters:
         if parameter.grad is not None:
-            groups.setdefault(id(getattr(parameter.grad, "device_mesh", None)), []).append(
+            groups.setdefault(getattr(parameter.grad, "device_mesh", None), []).append(
                 parameter.grad
             )
     if len(groups) <= 1 and split_over is None:  # one mesh (or none): torch's own, bit for bit
