@@ -19,7 +19,7 @@ from stratagem.errors import UsageError
 __all__ = ["simulated_world"]
 
 
-def _register_fake_backend() -> None:
+def _register_fake_backend(caller: str) -> None:
     """Make ``"fake"`` a backend ``init_process_group`` knows (torch registers it on import)."""
     if "fake" in dist.Backend._plugins:  # noqa: SLF001  # torch names its registered backends only here
         return
@@ -27,26 +27,28 @@ def _register_fake_backend() -> None:
         import torch.testing._internal.distributed.fake_pg  # noqa: F401  # registers "fake"
     except ImportError as error:  # a torch built without its testing package
         raise UsageError(
-            "dry_run: this torch has no fake process-group backend "
+            f"{caller}: this torch has no fake process-group backend "
             f"(torch.testing._internal.distributed.fake_pg: {error}); install a full torch wheel."
         ) from error
 
 
 @contextlib.contextmanager
-def simulated_world(world_size: int, rank: int = 0) -> Iterator[None]:
+def simulated_world(world_size: int, rank: int = 0, caller: str = "dry_run") -> Iterator[None]:
     """Join a fake world of ``world_size`` ranks as ``rank``, and leave it on exit.
+
+    ``caller`` names the function in the errors.
 
     Raises:
         UsageError: a process group is already initialised in this process.
     """
     if dist.is_initialized():
         raise UsageError(
-            f"dry_run: a process group of {dist.get_world_size()} rank(s) is already "
-            "initialised in this process, and a dry run joins a simulated world of its own; "
-            "call dry_run before joining a world (or after destroy_process_group), or in a "
+            f"{caller}: a process group of {dist.get_world_size()} rank(s) is already "
+            "initialised in this process, and it joins a simulated world of its own; "
+            f"call {caller} before joining a world (or after destroy_process_group), or in a "
             "process of its own."
         )
-    _register_fake_backend()
+    _register_fake_backend(caller)
     dist.init_process_group("fake", store=HashStore(), rank=rank, world_size=world_size)
     try:
         yield

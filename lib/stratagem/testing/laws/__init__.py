@@ -36,6 +36,9 @@ from stratagem.testing.laws.parallel import check_accumulation as check_accumula
 from stratagem.testing.laws.parallel import check_data_parallel_step as check_data_parallel_step
 from stratagem.testing.laws.parallel import sgd as sgd
 from stratagem.testing.laws.parallel import sgd_momentum as sgd_momentum
+from stratagem.testing.laws.pipeline_schedule import (
+    check_pipeline_schedule as check_pipeline_schedule,
+)
 from stratagem.testing.laws.precision import check_master_weights as check_master_weights
 from stratagem.testing.laws.precision import check_precision as check_precision
 from stratagem.testing.laws.sharding import check_shard_partition as check_shard_partition
@@ -61,6 +64,7 @@ __all__ = [
     "check_gather",
     "check_master_weights",
     "check_no_sync",
+    "check_pipeline_schedule",
     "check_precision",
     "check_purity",
     "check_ranks_in_sync",

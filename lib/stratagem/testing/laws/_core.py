@@ -41,9 +41,12 @@ class LawViolation(AssertionError):
         difference: what was found, against what the law promises.
     """
 
-    def __init__(self, law: str, strategy: StrategyLike, inputs: str, difference: str) -> None:
+    def __init__(
+        self, law: str, strategy: StrategyLike | str, inputs: str, difference: str
+    ) -> None:
         self.law = law
-        self.strategy = getattr(strategy, "name", type(strategy).__name__)
+        named = isinstance(strategy, str)  # a law on something other than a strategy names it
+        self.strategy = strategy if named else getattr(strategy, "name", type(strategy).__name__)
         self.inputs = inputs
         self.difference = difference
         super().__init__(
