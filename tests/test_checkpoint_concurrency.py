@@ -139,3 +139,34 @@ def test_a_load_while_saves_commit_reads_one_version(tmp_path, processes):
     assert writer.exitcode == 0
     assert len(set(versions)) >= ROUNDS, f"the loads met too few saves in 120 s: {versions}"
     assert versions == sorted(versions)
+
+
+def test_a_save_that_waits_on_a_lock_its_holder_removes_takes_a_new_one(tmp_path):
+    # Reported by CI: a saver waiting on the lock (its holder not yet named) got it just after
+    # the holder removed the file, and failed on the removed path (FileNotFoundError).
+    import fcntl
+    import os
+
+    path = tmp_path / "ckpt"
+    lock = tmp_path / "ckpt.lock"
+    sg.checkpoint.save(tmp_path / "warm", state_of(2), single())  # imports done: saves are quick
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # held and not named: the saver waits for up to a second
+    outcome: list[object] = []
+
+    def save() -> None:
+        try:
+            sg.checkpoint.save(path, state_of(3), single())
+            outcome.append("saved")
+        except Exception as error:
+            outcome.append(error)
+
+    saver = threading.Thread(target=save)
+    saver.start()
+    time.sleep(0.5)  # the saver is polling the lock by now
+    lock.unlink()  # as a save releases: removed while still locked, then closed
+    os.close(fd)
+    saver.join(30)
+    assert outcome == ["saved"], outcome
+    assert loaded_version(path) == 3
+    assert not lock.exists()

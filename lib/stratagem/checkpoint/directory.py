@@ -588,13 +588,24 @@ def _claim(target: Path) -> int:
             ) from None
         # The holder before us may have removed the file after we opened it: lock the one at
         # the path, or two savers would each hold a lock of their own.
-        if os.path.samestat(os.fstat(fd), os.stat(lock, follow_symlinks=False)):
+        if _still_at(fd, lock):
             break
         os.close(fd)
     owner = f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%H:%M:%S')}"
     os.ftruncate(fd, 0)
     os.pwrite(fd, owner.encode(), 0)
     return fd
+
+
+def _still_at(fd: int, lock: Path) -> bool:
+    """Whether ``fd`` is the file at ``lock``.
+
+    Its holder may have removed it, and no one made another yet: then it is not.
+    """
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(lock, follow_symlinks=False))
+    except FileNotFoundError:
+        return False
 
 
 def _put_back(target: Path) -> None:
@@ -809,7 +820,7 @@ def _try_lock(lock: Path) -> int | None:
         except BlockingIOError:
             os.close(fd)
             return None
-        if os.path.samestat(os.fstat(fd), os.stat(lock, follow_symlinks=False)):
+        if _still_at(fd, lock):
             return fd
         os.close(fd)  # its holder removed it meanwhile: lock the one at the path
 
