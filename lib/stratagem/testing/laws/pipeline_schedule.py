@@ -39,11 +39,14 @@ from stratagem.planning.simulated_world import simulated_world
 from stratagem.strategies.pipeline import JoinPipeline
 from stratagem.strategies.pipeline_schedules import (
     SCHEDULES,
+    check_microbatches,
+    check_stage_count,
     default_stage_count,
     schedule_class,
     stages_of_rank,
 )
 from stratagem.testing.laws._core import LawViolation
+from stratagem.validators import is_int
 
 __all__ = ["check_pipeline_schedule"]
 
@@ -140,9 +143,7 @@ def _resolve(
     already (torch's lowering, or a schedule of one's own that lists them); else None.
     """
     for name, value in (("size", size), ("microbatches", microbatches), ("stages", stages)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 1
-        ):
+        if value is not None and not is_int(value, 1):
             raise UsageError(
                 f"check_pipeline_schedule: '{name}' must be None or a positive int, got {value!r}."
             )
@@ -180,8 +181,6 @@ def _resolve(
 
 def _built_in(label: str, name: str, size: int, microbatches: int, stages: int | None) -> Resolved:
     """Return the actions built-in schedule ``name`` runs on a pipeline of ``size`` ranks."""
-    from stratagem.strategies.pipeline_schedules import check_microbatches, check_stage_count
-
     count = default_stage_count(name, size) if stages is None else stages
     check_stage_count(name, count, size)  # the pipeline's own refusals, with their fixes
     check_microbatches(name, microbatches, count, size)
@@ -236,8 +235,6 @@ def _own(
     schedule: Mapping[Any, Any], size: int | None, microbatches: int | None, stages: int | None
 ) -> Resolved:
     """Parse a schedule of the user's own: rank -> actions in torch's notation."""
-    from torch.distributed.pipelining.schedules import _Action
-
     ranks = sorted(schedule, key=repr)
     if ranks != list(range(len(ranks))) or not ranks:
         raise UsageError(
@@ -261,7 +258,7 @@ def _own(
             if text is None:
                 actions[rank].append(None)
                 continue
-            parsed = _parsed(text, _Action)
+            parsed = _parsed(text)
             if parsed is None or _kind(parsed) not in _KINDS or parsed.microbatch_index is None:
                 raise UsageError(
                     f"check_pipeline_schedule: rank {rank}, step {step}: {text!r} is not an "
@@ -286,12 +283,14 @@ def _own(
     return "a schedule of your own", compute, count, batches, actions if listed else None
 
 
-def _parsed(text: object, action: Any) -> Any:
+def _parsed(text: object) -> Any:
     """Torch's action for ``text``, or None where it is not one."""
+    from torch.distributed.pipelining.schedules import _Action
+
     if not isinstance(text, str):
         return None
     try:
-        return action.from_str(text)
+        return _Action.from_str(text)
     except (RuntimeError, ValueError):
         return None
 
@@ -299,12 +298,11 @@ def _parsed(text: object, action: Any) -> Any:
 def _validated(
     label: str, where: str, actions: Actions, stages: int, microbatches: int
 ) -> Callable[[int], int]:
-    """Run torch's validator; return stage -> rank."""
+    """Run torch's validator on the compute actions; return stage -> rank."""
     from torch.distributed.pipelining.schedules import _validate_schedule
 
-    compute = {r: [a if _kind(a) in _COMPUTE else None for a in row] for r, row in actions.items()}
     try:
-        mapping = _validate_schedule(compute, len(actions), stages, microbatches)
+        mapping = _validate_schedule(actions, len(actions), stages, microbatches)
     except AssertionError as error:
         found = str(error).split("\n\nFull pipeline schedule")[0].strip()
         raise LawViolation(LAW, label, where, _plain(found)) from None
@@ -325,7 +323,7 @@ def _lowered(
         return _add_send_recv(left, stage_to_rank=stage_to_rank, num_stages=stages)
     except AssertionError:  # no rank could take its next action: `left` holds where each stopped
         waits = "; ".join(
-            f"rank {rank} waits at {_describe(str(row[0]))}" for rank, row in left.items() if row
+            f"rank {rank} waits at {_describe(row[0])}" for rank, row in left.items() if row
         )
         raise LawViolation(LAW, label, where, f"the schedule never ends: {waits}") from None
 
@@ -386,7 +384,9 @@ def _check_it_ends(
             _simulate_comms_compute(order, stage_to_rank, stages)
     except ValueError:
         stuck = re.findall(r"rank=(\d+) next action= (\S+)", printed.getvalue())
-        waits = "; ".join(f"rank {rank} waits at {_describe(text)}" for rank, text in stuck)
+        waits = "; ".join(
+            f"rank {rank} waits at {_describe(_parsed(text))}" for rank, text in stuck
+        )
         raise LawViolation(
             LAW, label, where, f"the schedule never ends: {waits or printed.getvalue().strip()}"
         ) from None
@@ -412,12 +412,10 @@ def _message(message: tuple[str, int, int]) -> str:
     return f"stage {stage}'s {what} of micro-batch {batch}"
 
 
-def _describe(text: str) -> str:
-    from torch.distributed.pipelining.schedules import _Action
-
-    action = _Action.from_str(text)
+def _describe(action: Any) -> str:
     kind = _KINDS.get(_kind(action), _kind(action))
-    return f"{text} ({kind} of micro-batch {action.microbatch_index} at stage {action.stage_index})"
+    where = f"micro-batch {action.microbatch_index} at stage {action.stage_index}"
+    return f"{action} ({kind} of {where})"
 
 
 def _plain(found: str) -> str:
