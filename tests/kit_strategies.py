@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import stratagem as sg
 from stratagem import training
+from stratagem.sharding import shard_loader
 from stratagem.strategies.ddp import WrapDDP
 from stratagem.testing import Contract
 
@@ -778,6 +779,12 @@ class RowSplitPlan:
         module = parallelize_module(module, mesh, {"0": ColwiseParallel()})
         module[2] = RowParallelLinear(module[2], mesh, self.bias_on_every_rank)
         return module
+
+
+def shard_by_global_rank(loader, ctx):
+    """Shard: deal batches over the world, as if there were no tensor-parallel groups (the bug)."""
+    without_mesh = attrs.evolve(ctx, extras={k: v for k, v in ctx.extras.items() if k != "mesh"})
+    return shard_loader(loader, without_mesh)
 
 
 def hand_tensor_parallel(bias_on_every_rank=False):

@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 import stratagem as sg
 from helpers import block_plan, make_block
-from stratagem.sharding import shard_loader
+from kit_strategies import shard_by_global_rank
 from stratagem.testing import Contract, LawViolation, check_all
 
 pytestmark = pytest.mark.slow
@@ -67,12 +67,6 @@ def test_hsdp_passes_every_law_on_2x2():
     assert {"data-parallel-step", "accumulation", "no-sync", "checkpoint-round-trip"} <= set(
         report.passed
     ), report
-
-
-def shard_by_global_rank(loader, ctx):
-    """The planted bug: deal batches over the world, as if there were no tensor-parallel groups."""
-    without_mesh = attrs.evolve(ctx, extras={k: v for k, v in ctx.extras.items() if k != "mesh"})
-    return shard_loader(loader, without_mesh)
 
 
 @attrs.frozen

@@ -68,8 +68,9 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], ctx: Context, src: int) -
             flat = flatten(members)
             # As bytes: a copy needs no arithmetic, and gloo lacks some dtypes (bool, int16).
             dist.broadcast(flat.view(torch.uint8), src=src, group=group_for(flat, ctx))
-            if ctx.rank != src:
-                torch._foreach_copy_(members, unflatten(flat, members))
+            # The source copies too (its own values): no branch on the rank, so the same code
+            # runs where one process is every rank (torch's LocalTensorMode, the kit's laws).
+            torch._foreach_copy_(members, unflatten(flat, members))
 
 
 def _layout(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:

@@ -45,6 +45,8 @@ from stratagem.testing.laws.sharding import check_shard_partition as check_shard
 from stratagem.testing.laws.state import first_difference as first_difference
 from stratagem.testing.laws.state import snapshot as snapshot
 from stratagem.testing.laws.sync import check_ranks_in_sync as check_ranks_in_sync
+from stratagem.testing.laws.tensor_parallel import check_tensor_parallel as check_tensor_parallel
+from stratagem.testing.laws.tensor_parallel import tensor_parallel_run as tensor_parallel_run
 from stratagem.testing.laws.training import check_no_sync as check_no_sync
 from stratagem.testing.laws.training import check_purity as check_purity
 from stratagem.testing.laws.training import check_step_autocast as check_step_autocast
@@ -73,6 +75,7 @@ __all__ = [
     "check_shard_partition",
     "check_single_rank_identities",
     "check_step_autocast",
+    "check_tensor_parallel",
     "check_wrap",
     "expected_collectives",
     "first_difference",
@@ -80,4 +83,5 @@ __all__ = [
     "sgd",
     "sgd_momentum",
     "snapshot",
+    "tensor_parallel_run",
 ]

@@ -26,7 +26,9 @@ import torch
 from torch.utils.data import ChainDataset, DataLoader, Dataset, IterableDataset
 from torch.utils.data.datapipes.iter import IterableWrapper
 
+from stratagem.env import Env
 from stratagem.errors import UsageError
+from stratagem.planning.simulated_world import simulated_world
 from stratagem.strategy import StrategyLike
 from stratagem.testing.laws._core import LawViolation, run_on
 from stratagem.testing.world import World
@@ -127,6 +129,7 @@ def check_shard_partition(
     drop_last: bool = False,
     seed: int = 5,
     iterable: bool = True,
+    simulated: bool = False,
 ) -> None:
     """Law ``shard-partition``: disjoint, complete up to a small tail, equal batches, reshuffled.
 
@@ -141,6 +144,16 @@ def check_shard_partition(
         drop_last: the DataLoader's ``drop_last``.
         seed: the seed of the DataLoader's generator.
         iterable: also check a DataLoader over a stream of the same samples.
+        simulated: deal on ``world_size`` simulated ranks in this process, one after
+            another (each joins torch's fake world as itself and runs the
+            strategy's own ``setup``), instead of a `World`: about a second
+            for a mesh of 64 ranks (each rank builds every group of the mesh).
+
+    Example:
+        >>> import stratagem as sg
+        >>> from stratagem.testing.laws import check_shard_partition
+        >>> check_shard_partition(sg.hsdp(replicate=4, shard=16, device="cpu"),
+        ...                       world_size=64, size=150, simulated=True)
 
     Raises:
         LawViolation: a sample went to two ranks, too many were left out, ranks
@@ -153,15 +166,29 @@ def check_shard_partition(
     require(
         isinstance(iterable, bool), "check_shard_partition: 'iterable'", "True or False", iterable
     )
+    require(
+        isinstance(simulated, bool),
+        "check_shard_partition: 'simulated'",
+        "True or False",
+        simulated,
+    )
+    if simulated and world is not None:
+        raise UsageError(
+            "check_shard_partition: 'simulated=True' deals on simulated ranks and 'world' runs "
+            "real ones; pass one of them."
+        )
+    require(is_int(world_size, 1), "check_shard_partition: 'world_size'", "a positive int",
+            world_size)  # fmt: skip
     ranks = world.world_size if world is not None else world_size
     if size < ranks:
         raise UsageError(
             f"check_shard_partition: 'size' must be at least the world size {ranks} (got {size})."
         )
-    results = run_on(
-        world, ranks, _epochs, strategy, size, batch_size, epochs, shuffle, drop_last, seed,
-        iterable,
-    )  # fmt: skip
+    args = (size, batch_size, epochs, shuffle, drop_last, seed, iterable)
+    if simulated:
+        results = _simulated_runs(strategy, ranks, args)
+    else:
+        results = run_on(world, ranks, _epochs, strategy, *args)
     inputs = (
         f"{size} samples, batch_size={batch_size}, shuffle={shuffle}, drop_last={drop_last}, "
         f"seed={seed}, {epochs} epochs"
@@ -194,6 +221,22 @@ def check_shard_partition(
             )
         _check_runs(streams, (ranks - 1) * batch_size, batch_size, epochs, shuffle, seed, size,
                     broken("an IterableDataset"))  # fmt: skip
+
+
+def _simulated_runs(
+    strategy: StrategyLike, world_size: int, args: tuple[Any, ...]
+) -> list[dict[str, Any]]:
+    """Run `_epochs` as each rank of a simulated world in turn (``shard`` sends nothing)."""
+    per_host = min(world_size, 8)
+    results = []
+    for rank in range(world_size):
+        env = Env(
+            rank=rank, local_rank=rank % per_host, world_size=world_size,
+            local_world_size=per_host, node_rank=rank // per_host, master_port=29500,
+        )  # fmt: skip  # the port is never dialled: the fake world has no store to meet at
+        with simulated_world(world_size, rank=rank, caller="check_shard_partition"):
+            results.append(_epochs(strategy, strategy.setup(env), *args))
+    return results
 
 
 def _one_per_group(
