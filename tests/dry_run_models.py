@@ -36,6 +36,9 @@ def stacks(world_size: int) -> dict[str, tuple[sg.Strategy, int]]:
     """Each stack the tests plan on ``world_size`` ranks, with its micro-batches per step."""
     fsdp = sg.fsdp(device="cpu", shard_when=BLOCKS)
     made = {
+        "ddp": (sg.ddp(device="cpu"), 1),
+        "ddp, 48 KiB buckets": (sg.ddp(device="cpu", bucket_cap_mb=3 / 64), 1),
+        "allreduce_grads": (sg.allreduce_grads(device="cpu", bucket_mb=3 / 64), 1),
         "fsdp": (fsdp, 1),
         "accumulate(fsdp, 2)": (sg.accumulate(fsdp, 2), 2),
         "checkpointed fsdp": (sg.with_activation_checkpointing(fsdp, BLOCKS), 1),

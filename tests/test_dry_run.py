@@ -119,8 +119,9 @@ def test_a_dry_run_leaves_no_process_group_behind_even_when_it_fails():
     assert plan(M.stacks(4)["fsdp"][0], 4).count("reduce_scatter") == M.DEPTH  # and runs again
 
 
-def test_a_step_that_reads_values_is_refused_with_the_phase_named():
-    with pytest.raises(sg.DryRunError, match=r"fsdp's step failed in a simulated world of 4 ranks"):
+def test_a_step_that_reads_values_is_refused_with_the_phase_and_the_line_named():
+    with pytest.raises(sg.DryRunError, match=r"fsdp's step failed in a simulated world of 4 ranks"
+                       r".* at \S*test_dry_run.py:\d+ in <lambda>"):  # fmt: skip
         sg.dry_run(
             sg.fsdp(device="cpu"),
             M.blocks,
@@ -130,10 +131,43 @@ def test_a_step_that_reads_values_is_refused_with_the_phase_named():
         )
 
 
-@pytest.mark.parametrize("factory", [sg.ddp, sg.allreduce_grads])
-def test_replicated_data_parallelism_is_refused_with_what_it_would_hold(factory):
-    with pytest.raises(sg.DryRunError, match="Replicated data parallelism cannot be dry-run yet"):
-        sg.dry_run(factory(device="cpu"), M.blocks, M.batch(), world_size=4, forward=M.loss)
+def test_a_pipeline_is_refused_where_torch_reads_a_value():
+    pipeline = sg.pipeline(stages=[["0"], ["1", "2"]], microbatches=2, device="cpu")
+    with pytest.raises(sg.DryRunError, match=r"pipelining/schedules.py:\d+ in _warmup_p2p"):
+        sg.dry_run(pipeline, M.blocks, (M.batch(), M.batch()), world_size=2,
+                   forward=lambda out, target: (out - target).pow(2).mean())  # fmt: skip
+    assert not dist.is_initialized()
+
+
+def ddp_buckets(cap: int, first: int) -> int:
+    """DDP's buckets after its first step, counted by hand: backward's order, closed at a cap."""
+    sizes = [p.numel() * p.element_size() for p in M.blocks().parameters()][::-1]
+    count, held, limit = 0, 0, first
+    for size in sizes:
+        held += size
+        if held >= limit:
+            count, held, limit = count + 1, 0, cap
+    return count + (held > 0)
+
+
+@pytest.mark.parametrize("world_size", [8, 64])
+def test_replicated_data_parallelism_holds_everything_and_all_reduces_every_gradient(world_size):
+    params = list(M.blocks().parameters())
+    whole = sum(p.numel() * p.element_size() for p in params)
+    stacks = {
+        "ddp": (sg.ddp(device="cpu"), ddp_buckets(25 << 20, 1 << 20), 0),
+        "ddp, 48 KiB": (sg.ddp(device="cpu", bucket_cap_mb=3 / 64), ddp_buckets(48 << 10, 48 << 10), 0),
+        # allreduce_grads sends with its last bucket one 0/1 flag per parameter, and one more
+        "allreduce_grads": (sg.allreduce_grads(device="cpu"), 1, 4 * (len(params) + 1)),
+    }  # fmt: skip
+    for name, (strategy, buckets, flags) in stacks.items():
+        got = sg.dry_run(strategy, M.blocks, M.batch(), world_size=world_size, forward=M.loss)
+        assert got.parameters == whole, name
+        assert got.optimizer_state == 2 * whole + 4 * len(params), name  # AdamW: 2 moments, a step
+        assert [(c.kind, c.group_size, c.count, c.bytes) for c in got.collectives] == [
+            ("all_reduce", world_size, buckets, whole + flags)
+        ], name
+    assert ddp_buckets(48 << 10, 48 << 10) > 1  # the small cap splits the model
     assert not dist.is_initialized()
 
 

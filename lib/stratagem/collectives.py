@@ -114,6 +114,20 @@ def group_for(tensor: torch.Tensor, ctx: Context) -> dist.ProcessGroup | None:
     return host_group(ctx) if tensor.device.type == "cpu" else ctx.group
 
 
+def reduced_values(reduced: torch.Tensor, mine: list[Any]) -> list[Any]:
+    """Read a small all-reduced tensor as a list; ``mine`` is what this rank put in.
+
+    In a simulated world (`stratagem.dry_run`: torch's fake tensors and fake
+    group) a tensor holds no values to read, and a reduction leaves each rank's
+    own: those are ``mine``.
+    """
+    if type(reduced) is torch.Tensor:  # every real run: no fake-tensor module to import
+        return reduced.tolist()
+    from torch._subclasses.fake_tensor import is_fake
+
+    return list(mine) if is_fake(reduced) else reduced.tolist()
+
+
 def is_distributed(ctx: Context) -> bool:
     """Whether ``ctx`` is a world of several ranks with a process group."""
     return ctx.group is not None and ctx.world_size > 1

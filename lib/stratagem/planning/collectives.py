@@ -1,9 +1,8 @@
 """The collectives a step issues, by kind, group size, count and bytes, seen at torch's dispatcher.
 
-FSDP's collectives (``torch.ops.c10d``) and DTensor's (``_c10d_functional``)
-pass the dispatcher, so a function hooked there sees each one with its tensors
-and its group. (The C++ reducer of ``DistributedDataParallel`` does not: it calls its
-process group directly, which is one reason `dry_run` refuses ``ddp()``.)
+FSDP's and DDP's collectives (``torch.ops.c10d``, which a process group's own
+methods call too) and DTensor's (``_c10d_functional``) pass the dispatcher, so
+a function hooked there sees each one with its tensors and its group.
 """
 
 from __future__ import annotations

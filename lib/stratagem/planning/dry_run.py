@@ -12,6 +12,7 @@ one would see the other's bookkeeping.
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -94,8 +95,8 @@ def dry_run(
     Raises:
         UsageError: an argument is malformed, a process group is already
             initialised here, or the model factory made real tensors.
-        DryRunError: a field or the model failed on fake tensors (``ddp()``,
-            whose C++ reducer needs real storage, is one).
+        DryRunError: a field or the model failed on fake tensors (a field
+            that reads values: ``.item()``, printing, real I/O).
 
     Example:
         >>> import torch, stratagem as sg
@@ -138,24 +139,17 @@ def dry_run(
 
     with simulated_world(world_size):
         ctx = failed("setup", lambda: strategy.setup(env))
-        with torch.device("meta"):
-            module = model()
-        require(
-            isinstance(module, torch.nn.Module),
-            "dry_run: 'model'",
-            "a function that returns a torch.nn.Module",
-            module,
-        )
-        real = _real_tensors(module)
-        if real:
-            raise UsageError(
-                f"dry_run: the model factory put {real} on a real device; dry_run builds it "
-                "under torch.device('meta') and never allocates it: build it without naming "
-                "a device (or a dtype-only .to())."
-            )
-        wrapped = failed("wrap", lambda: strategy.wrap(module, ctx))
+        module = _on_meta(model)
+        try:  # on meta: FSDP and tensor parallelism shard there (not on fake tensors)
+            wrapped: torch.nn.Module | None = strategy.wrap(module, ctx)
+        except Exception:  # a wrap that needs tensors (ddp()); a real error recurs on fake ones
+            wrapped, module = None, _on_meta(model)  # built afresh
         with FakeTensorMode(allow_non_fake_inputs=True) as fake:
-            failed("materialising", lambda: wrapped.to_empty(device=ctx.device))
+            if wrapped is None:
+                failed("materialising", lambda: module.to_empty(device=ctx.device))
+                wrapped = failed("wrap", lambda: strategy.wrap(module, ctx))
+            else:
+                failed("materialising", lambda: wrapped.to_empty(device=ctx.device))
             inputs = map_tensors(fake.from_tensor, batch)
             made = optimizer(wrapped.parameters())
 
@@ -194,6 +188,26 @@ def dry_run(
         )
 
 
+def _on_meta(model: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """Build the model under ``torch.device("meta")``; refuse one that allocates anyway."""
+    with torch.device("meta"):
+        module = model()
+    require(
+        isinstance(module, torch.nn.Module),
+        "dry_run: 'model'",
+        "a function that returns a torch.nn.Module",
+        module,
+    )
+    real = _real_tensors(module)
+    if real:
+        raise UsageError(
+            f"dry_run: the model factory put {real} on a real device; dry_run builds it "
+            "under torch.device('meta') and never allocates it: build it without naming "
+            "a device (or a dtype-only .to())."
+        )
+    return module
+
+
 def _real_tensors(module: torch.nn.Module) -> str:
     """Name the first tensors of ``module`` that are not on the meta device, or ''."""
     named = [*module.named_parameters(), *module.named_buffers()]
@@ -213,21 +227,20 @@ def _local_bytes(tensor: torch.Tensor) -> int:
 
 def _failure(strategy: Any, phase: str, world_size: int, error: Exception) -> str:
     name = getattr(strategy, "name", "strategy")
-    message = (
+    return (
         f"dry_run: {name}'s {phase} failed in a simulated world of {world_size} ranks, on fake "
-        f"tensors ({type(error).__name__}: {str(error).strip().splitlines()[0][:300]})."
+        f"tensors ({type(error).__name__}: {str(error).strip().splitlines()[0][:300]}), "
+        f"at {_where(error)}. A dry run runs every field on tensors without storage: code that "
+        "reads values (.item(), printing, real I/O) cannot be simulated."
     )
-    if "ddp" in str(name) or "allreduce" in str(name):
-        message += (
-            " Replicated data parallelism cannot be dry-run yet: ddp() hands gradients to "
-            "DistributedDataParallel's C++ reducer, which needs real storage, and "
-            "allreduce_grads() reads which gradients exist on any rank. Each rank holds the "
-            "whole model, gradients and optimizer state, and all-reduces every gradient once "
-            "per optimizer step."
-        )
-    else:
-        message += (
-            " A dry run runs every field on tensors without storage: a field that reads values "
-            "(.item(), printing, real I/O) cannot be simulated."
-        )
-    return message
+
+
+def _where(error: Exception) -> str:
+    """Name the last frame before torch's tensor machinery: the code that asked for a value."""
+    frames = traceback.extract_tb(error.__traceback__)
+    machinery = ("torch/_", "torch/utils/", "torch/overrides")
+    asked = [
+        f for f in frames if not any(part in f.filename.replace("\\", "/") for part in machinery)
+    ]
+    frame = (asked or frames)[-1]
+    return f"{frame.filename}:{frame.lineno} in {frame.name}"

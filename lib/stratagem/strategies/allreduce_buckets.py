@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from stratagem import training
-from stratagem.collectives import is_distributed
+from stratagem.collectives import is_distributed, reduced_values
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError
 from stratagem.replicas import MB, buckets, flatten, unflatten
@@ -90,7 +90,8 @@ def average_gradients(
     # Zeros where a rank has no gradient: also where the mean lands, if another rank has one.
     grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
     # Which parameters have a gradient on any rank (MAX of 0/1 flags), sent alongside the buckets.
-    present = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8).to(ctx.device)
+    mine = [int(p.grad is not None) for p in params]
+    present = torch.tensor(mine, dtype=torch.uint8).to(ctx.device)
     present_work = dist.all_reduce(present, op=dist.ReduceOp.MAX, group=ctx.group, async_op=True)
     wire = None if compression is None else WIRE_DTYPES[compression]
     pending = []
@@ -110,7 +111,7 @@ def average_gradients(
                 flat.copy_(sent)
             torch._foreach_copy_(members, unflatten(flat, members))
     present_work.wait()
-    anywhere = present.tolist()
+    anywhere = reduced_values(present, mine)
     for index in missing:
         if anywhere[index]:
             params[index].grad = grads[index]

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from stratagem import training
-from stratagem.collectives import is_distributed
+from stratagem.collectives import is_distributed, reduced_values
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError
 from stratagem.strategies.allreduce_buckets import (
@@ -196,7 +196,8 @@ class GradientHooks:
         self.wait()
         flags = self.buckets[-1].flags
         assert flags is not None
-        anywhere = flags.tolist()
+        mine = [0.0 if index in absent else 1.0 for index in range(len(self.params))]
+        anywhere = reduced_values(flags, [*mine, float(changed)])
         if anywhere[-1] != 0:  # some rank's gradients are not what it sent: average them again
             self.reset()
             average_gradients(module, ctx, bucket_mb=self.bucket_mb, compression=self.compression)
