@@ -217,3 +217,16 @@ def test_a_162m_parameter_gpt_under_fsdp_hsdp_and_fsdp_x_tp(world_size):
             assert got.count("all_reduce") == 12 * 6  # 2 row splits forward, 4 column backward
             if world_size > 8:
                 assert set(sharded.values()) == {world_size // 8}
+
+
+def test_a_later_dry_run_sees_its_own_tensor_parallel_groups():
+    # DTensor caches sharding results with the mesh they ran on; a later simulated world's
+    # equal tensor-parallel sub-mesh got the old one back, whose group was gone: its
+    # all-reduces were counted over the whole world (64) instead of their group of 2.
+    fsdp = sg.fsdp(device="cpu", shard_when=M.BLOCKS)
+    hsdp = sg.hsdp(device="cpu", replicate=4, shard=8, shard_when=M.BLOCKS)
+    for base in (fsdp, hsdp):
+        strategy = sg.tensor_parallel(base, M.tp_plan(), size=2)
+        got = sg.dry_run(strategy, M.blocks, M.batch(), world_size=64, forward=M.loss)
+        reduces = {c.group_size: c.count for c in got.collectives if c.kind == "all_reduce"}
+        assert reduces.get(2) == 6 * M.DEPTH and 64 not in reduces, (base.name, reduces)

@@ -34,9 +34,13 @@ def batch(rows: int) -> torch.Tensor:
     return torch.randn(rows, 6, 16, generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize(("size", "world"), [(2, 4), (2, 2)], ids=["fsdp x tp, 2x2", "tp, 2"])
-def test_tensor_parallel_strategies_pass_every_law(size, world):
-    strategy = sg.tensor_parallel(sg.fsdp(), block_plan(), size=size)
+@pytest.mark.parametrize(
+    ("size", "world", "names"),
+    [(2, 4, None), (2, 2, None), (2, 4, {"shard": "dp_shard", "tp": "model"})],
+    ids=["fsdp x tp, 2x2", "tp, 2", "fsdp x tp, 2x2, named as torchtitan names"],
+)
+def test_tensor_parallel_strategies_pass_every_law(size, world, names):
+    strategy = sg.tensor_parallel(sg.fsdp(mesh_names=names), block_plan(), size=size)
     report = check_all(strategy, world_size=world, module=make_block(), batch=batch(4 * world))
     assert set(report.passed) == LAWS, report
 

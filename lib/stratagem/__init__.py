@@ -36,6 +36,7 @@ if _typing.TYPE_CHECKING:
     from stratagem.devices import DeviceSpec as DeviceSpec
     from stratagem.env import Context as Context
     from stratagem.env import Env as Env
+    from stratagem.env import MeshNames as MeshNames
     from stratagem.env import detect_env as detect_env
     from stratagem.errors import CheckpointError as CheckpointError
     from stratagem.errors import CollectiveCallError as CollectiveCallError
@@ -123,6 +124,7 @@ _WHERE: dict[str, str] = {
     "DeviceSpec": "stratagem.devices",
     "Context": "stratagem.env",
     "Env": "stratagem.env",
+    "MeshNames": "stratagem.env",
     "detect_env": "stratagem.env",
     "EnvError": "stratagem.errors",
     "LaunchError": "stratagem.errors",

@@ -28,18 +28,73 @@ from stratagem.validators import (
 )
 
 __all__ = [
-    "MODEL_PARALLEL_DIMS",
     "Context",
     "Env",
     "EnvSource",
+    "MeshNames",
     "check_context",
     "check_env",
     "detect_env",
     "host_group",
+    "mesh_names",
 ]
 
-MODEL_PARALLEL_DIMS = ("tp", "pp")
-"""Mesh dimensions whose ranks hold parts of one model and take the same batches."""
+_DIM_NAME = field(lambda v: isinstance(v, str) and bool(v), "MeshNames.{name}", "a non-empty str")
+
+
+@attrs.frozen(kw_only=True)
+class MeshNames:
+    """What a strategy's mesh calls each dimension, by role: stratagem's names, or yours.
+
+    Every field that looks a dimension up asks the context
+    (``ctx.mesh[ctx.mesh_names.tp]``), so a mesh named as torchtitan names it
+    (``MeshNames(replicate="dp_replicate", shard="dp_shard")``) works throughout.
+
+    Example:
+        >>> MeshNames(shard="dp", tp="model").model_parallel
+        ('model', 'pp')
+
+    Raises:
+        UsageError: a name is not a non-empty str, or two roles share one.
+    """
+
+    replicate: str = attrs.field(default="replicate", validator=_DIM_NAME)
+    shard: str = attrs.field(default="shard", validator=_DIM_NAME)
+    tp: str = attrs.field(default="tp", validator=_DIM_NAME)
+    pp: str = attrs.field(default="pp", validator=_DIM_NAME)
+
+    def __attrs_post_init__(self) -> None:
+        names = attrs.astuple(self)
+        if len(set(names)) != len(names):
+            raise UsageError(
+                f"MeshNames: each role needs a name of its own (got {attrs.asdict(self)}); "
+                "rename the dimensions that share one."
+            )
+
+    @property
+    def model_parallel(self) -> tuple[str, str]:
+        """The dimensions whose ranks hold parts of one model and take the same batches."""
+        return (self.tp, self.pp)
+
+
+def mesh_names(names: object) -> MeshNames:
+    """Convert ``None``, a mapping of roles to names, or `MeshNames` to `MeshNames`.
+
+    Raises:
+        UsageError: ``names`` is none of these, or names a role that does not exist.
+    """
+    if names is None:
+        return MeshNames()
+    if isinstance(names, MeshNames):
+        return names
+    roles = [f.name for f in attrs.fields(MeshNames)]
+    if not isinstance(names, Mapping) or not set(names) <= set(roles):
+        raise UsageError(
+            f"'mesh_names' must be a MeshNames or a mapping of roles {roles} to dimension "
+            f"names, e.g. {{'shard': 'dp', 'tp': 'model'}} (got {describe(names)})."
+        )
+    return MeshNames(**names)
+
 
 EnvSource = Literal["single", "torchrun", "slurm", "spawn"]
 
@@ -260,10 +315,16 @@ class Context:
         return self.extras.get("mesh")
 
     @property
+    def mesh_names(self) -> MeshNames:
+        """What ``mesh`` calls each dimension, by role (``extras["mesh_names"]``, or defaults)."""
+        names = self.extras.get("mesh_names")
+        return names if isinstance(names, MeshNames) else MeshNames()
+
+    @property
     def data_mesh(self) -> Any:
         """The sub-mesh of ``mesh``'s data-parallel dimensions, what FSDP shards over; or ``None``.
 
-        The whole mesh when it has no model-parallel dimension (`MODEL_PARALLEL_DIMS`).
+        The whole mesh when it has no model-parallel dimension (`MeshNames.model_parallel`).
         A wrap of your own that shards (``fully_shard(..., mesh=ctx.data_mesh)``)
         then composes with `tensor_parallel` as the built-in one does.
         """
@@ -271,7 +332,8 @@ class Context:
         if mesh is None:
             return None
         names = mesh.mesh_dim_names or ()
-        data = tuple(n for n in names if n not in MODEL_PARALLEL_DIMS)
+        model = self.mesh_names.model_parallel
+        data = tuple(n for n in names if n not in model)
         return mesh if data == names else mesh[data]
 
     @property
@@ -280,18 +342,19 @@ class Context:
 
         Without a mesh, or on a mesh of data-parallel dimensions only, it is
         ``(rank, world_size)``. The ranks of one model-parallel group
-        (`MODEL_PARALLEL_DIMS`) hold parts of one model and take the same batch:
+        (`MeshNames.model_parallel`) hold parts of one model and take the same batch:
         on a ``(shard=2, tp=2)`` mesh, ranks 0 and 1 are ``(0, 2)`` and ranks 2 and
         3 are ``(1, 2)``.
         """
         mesh = self.mesh
         names = getattr(mesh, "mesh_dim_names", None) or ()
-        if not set(names) & set(MODEL_PARALLEL_DIMS):
+        model = self.mesh_names.model_parallel
+        if not set(names) & set(model):
             return self.rank, self.world_size
         coordinate = mesh.get_coordinate()
         index, size = 0, 1
         for dim, (name, at) in enumerate(zip(names, coordinate, strict=True)):
-            if name not in MODEL_PARALLEL_DIMS:
+            if name not in model:
                 extent = mesh.size(dim)
                 index, size = index * extent + at, size * extent
         return index, size

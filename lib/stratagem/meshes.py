@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Literal
 
 import attrs
 
-from stratagem.env import Context, Env, check_env
+from stratagem.env import Context, Env, MeshNames, check_env, mesh_names
 from stratagem.errors import UsageError
 from stratagem.fields import SetupFn
 from stratagem.process_group import JoinProcessGroup
@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["JoinMesh", "ShardSize", "device_mesh", "mesh_dims", "mesh_shape"]
+
+DEFAULT_NAMES = MeshNames()
 
 ShardSize = int | Literal["world", "node"]
 """Ranks per shard group: ``"world"`` (all), ``"node"`` (the ranks of a node), or a number."""
@@ -39,8 +41,11 @@ def mesh_dims(
     shard_size: ShardSize = "world",
     tensor_parallel: int = 1,
     replicate: int | None = None,
+    names: MeshNames = DEFAULT_NAMES,
 ) -> tuple[tuple[str, int], ...]:
     """Return the named dimensions of the mesh: data-parallel ones, then ``("tp", n)`` if any.
+
+    The dimensions are called as ``names`` says (`MeshNames`, by role).
 
     The tensor-parallel groups are ``tensor_parallel`` consecutive ranks (the
     fastest links); the world over them is the data-parallel world, which
@@ -79,8 +84,12 @@ def mesh_dims(
             f"hsdp: replicate={replicate} x shard={size} is {replicate * size} ranks, but the "
             f"world has {data} data-parallel ranks; choose sizes whose product is {data}."
         )
-    dims = (("shard", data),) if size == data else (("replicate", data // size), ("shard", size))
-    return dims + ((("tp", tensor_parallel),) if tensor_parallel > 1 else ())
+    dims = (
+        ((names.shard, data),)
+        if size == data
+        else ((names.replicate, data // size), (names.shard, size))
+    )
+    return dims + (((names.tp, tensor_parallel),) if tensor_parallel > 1 else ())
 
 
 def mesh_shape(env: Env, shard_size: ShardSize = "world") -> tuple[int, ...]:
@@ -97,7 +106,10 @@ def mesh_shape(env: Env, shard_size: ShardSize = "world") -> tuple[int, ...]:
 
 
 def device_mesh(
-    ctx: Context, shard_size: ShardSize = "world", tensor_parallel: int = 1
+    ctx: Context,
+    shard_size: ShardSize = "world",
+    tensor_parallel: int = 1,
+    names: MeshNames = DEFAULT_NAMES,
 ) -> DeviceMesh:
     """Build the device mesh of a joined world from its `mesh_dims`.
 
@@ -106,7 +118,7 @@ def device_mesh(
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    dims = mesh_dims(ctx.env, shard_size, tensor_parallel)
+    dims = mesh_dims(ctx.env, shard_size, tensor_parallel, names=names)
     return init_device_mesh(
         ctx.device.type, tuple(n for _, n in dims), mesh_dim_names=tuple(d for d, _ in dims)
     )
@@ -117,7 +129,8 @@ class JoinMesh:
     """Setup field: run ``join`` (join the process group), then add ``ctx.extras["mesh"]``.
 
     The mesh's dimensions are `mesh_dims` of ``shard_size`` and
-    ``tensor_parallel``, checked against the world before joining.
+    ``tensor_parallel``, checked against the world before joining, and called
+    as ``names`` says (``ctx.extras["mesh_names"]``, read as ``ctx.mesh_names``).
     """
 
     join: SetupFn = attrs.field(factory=JoinProcessGroup)
@@ -127,8 +140,12 @@ class JoinMesh:
         default=None, validator=positive_int("hsdp({name}=...)", optional="None")
     )
 
+    names: MeshNames = attrs.field(default=DEFAULT_NAMES, converter=mesh_names)
+
     def __call__(self, env: Env) -> Context:
         check_env(env, "setup")
-        mesh_dims(env, self.shard_size, self.tensor_parallel, self.replicate)  # before joining
+        # before joining:
+        mesh_dims(env, self.shard_size, self.tensor_parallel, self.replicate, self.names)
         ctx = self.join(env)
-        return ctx.with_extras(mesh=device_mesh(ctx, self.shard_size, self.tensor_parallel))
+        mesh = device_mesh(ctx, self.shard_size, self.tensor_parallel, self.names)
+        return ctx.with_extras(mesh=mesh, mesh_names=self.names)

@@ -86,6 +86,8 @@ def _check_paths(plan: Mapping[str, Any], module: torch.nn.Module) -> None:
 class TensorParallelWrap:
     """Wrap field: copy rank 0's module to every rank, apply the plan on ``"tp"``, then ``inner``.
 
+    ``"tp"`` is the role: the dimension is the one ``ctx.mesh_names.tp`` names.
+
     The copy comes first so that every tensor-parallel group splits the same
     weights (``parallelize_module`` splits each rank's own copy).
     """
@@ -99,9 +101,10 @@ class TensorParallelWrap:
 
         require(isinstance(module, torch.nn.Module), "wrap: 'module'", "a torch.nn.Module", module)
         mesh: DeviceMesh | None = check_context(ctx, "wrap").mesh
-        if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
+        tp = ctx.mesh_names.tp
+        if mesh is None or tp not in (mesh.mesh_dim_names or ()):
             raise UsageError(
-                "wrap: ctx has no mesh with a 'tp' dimension; pass the Context that the "
+                f"wrap: ctx has no mesh with a {tp!r} dimension; pass the Context that the "
                 "tensor_parallel strategy's setup returned."
             )
         if is_distributed(ctx):
@@ -111,9 +114,9 @@ class TensorParallelWrap:
             _check_paths(self.plan, module)
             # Copies: parallelize_module writes into the styles it is given (src_data_rank).
             styles = {path: copy.deepcopy(style) for path, style in self.plan.items()}
-            module = parallelize_module(module, mesh["tp"], styles)
+            module = parallelize_module(module, mesh[tp], styles)
         else:
-            module = self.plan(module, mesh["tp"])
+            module = self.plan(module, mesh[tp])
             require(
                 isinstance(module, torch.nn.Module),
                 "wrap: the tensor-parallel plan function",

@@ -105,18 +105,24 @@ def _bytes(value: object) -> int:
 
 
 def _group_size(args: Iterable[object]) -> int:
-    for arg in args:
+    listed = list(args)
+    for arg in listed:
         if isinstance(arg, torch.ScriptObject):  # how a c10d op carries its ProcessGroup
             return dist.ProcessGroup.unbox(arg).size()
         if isinstance(arg, dist.ProcessGroup):
             return arg.size()
-        if isinstance(arg, str):  # a functional collective names its group
-            try:
-                # The only way from a functional collective's group name to its group.
-                resolve = dist.distributed_c10d._resolve_process_group  # type: ignore[attr-defined]  # noqa: SLF001
-                return int(resolve(arg).size())  # type: ignore[arg-type]  # a GroupName is a str
-            except (KeyError, RuntimeError, ValueError):
-                continue
+    names = [arg for arg in listed if isinstance(arg, str)]
+    if names:  # a functional collective names its group last (after a reduce op's name)
+        # The only way from a functional collective's group name to its group.
+        resolve = dist.distributed_c10d._resolve_process_group  # type: ignore[attr-defined]  # noqa: SLF001
+        try:
+            return int(resolve(names[-1]).size())  # type: ignore[arg-type]  # a GroupName is a str
+        except (KeyError, RuntimeError, ValueError) as error:
+            # Counting it over the world would be a wrong figure, not a plan.
+            raise RuntimeError(
+                f"a collective names process group {names[-1]!r}, which this world does not "
+                "have (a mesh of a world that is gone, kept in a cache?)"
+            ) from error
     return dist.get_world_size()
 
 

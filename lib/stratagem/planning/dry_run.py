@@ -184,7 +184,7 @@ def dry_run(
             ),
             peak={name: int(peak.get(key, 0)) for key, name in _CATEGORIES.items()},
             collectives=recorder.counts(),
-            layout=read_layout(wrapped),
+            layout=read_layout(wrapped, ctx.mesh_names.tp),
         )
 
 

@@ -38,8 +38,11 @@ class Layout:
     tp_size: int = 1
 
 
-def read_layout(module: torch.nn.Module) -> Layout:
-    """Read how ``module`` (wrapped, and after one step: FSDP settles its root lazily) is split."""
+def read_layout(module: torch.nn.Module, tp: str = "tp") -> Layout:
+    """Read how ``module`` (wrapped, and after one step: FSDP settles its root lazily) is split.
+
+    ``tp`` is what the mesh calls its tensor-parallel dimension (``ctx.mesh_names.tp``).
+    """
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, Shard
 
@@ -58,10 +61,10 @@ def read_layout(module: torch.nn.Module) -> Layout:
         weight = getattr(sub, "weight", None)
         if isinstance(sub, torch.nn.Linear) and isinstance(weight, DTensor):
             names = weight.device_mesh.mesh_dim_names or ()
-            if "tp" in names:
-                tp = names.index("tp")
-                tp_size = weight.device_mesh.size(tp)
-                placement = weight.placements[tp]
+            if tp in names:
+                dim = names.index(tp)
+                tp_size = weight.device_mesh.size(dim)
+                placement = weight.placements[dim]
                 rows += placement == Shard(1)
                 columns += placement == Shard(0)
     return Layout(

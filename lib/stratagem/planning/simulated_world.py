@@ -9,6 +9,7 @@ unchanged, with its meshes, groups and hooks.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 
 import torch.distributed as dist
@@ -54,3 +55,19 @@ def simulated_world(world_size: int, rank: int = 0, caller: str = "dry_run") -> 
         yield
     finally:
         dist.destroy_process_group()
+        _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """Clear DTensor's sharding caches, which keep the meshes of a world that is gone.
+
+    A cached result holds the mesh it was computed on; a later mesh equal to it
+    (the same shape and names, in the next simulated world) would get the old
+    one back, whose groups no longer exist: its collectives would resolve no
+    group. A real world ends with its process, a simulated one ends here.
+    """
+    if "torch.distributed.tensor" not in sys.modules:  # no DTensor ran: nothing cached
+        return
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # type: ignore[no-untyped-call]

@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Unpack, cast
 
 import attrs
 import torch
 
 from stratagem import training
-from stratagem.env import Context, check_context
+from stratagem.env import Context, MeshNames, check_context
+from stratagem.env import mesh_names as env_mesh_names
 from stratagem.errors import UsageError
 from stratagem.launching import Spawn, spawned
 from stratagem.meshes import JoinMesh, ShardSize
@@ -104,6 +105,7 @@ def fsdp(
     sync_module_states: bool = True,
     offload: bool = False,
     groups: Sequence[ShardGroup] = (),
+    mesh_names: MeshNames | Mapping[str, str] | None = None,
     **world: Unpack[WorldOptions],
 ) -> Strategy:
     """Fully sharded data parallel (``fully_shard``) on the ranks torchrun or SLURM started.
@@ -136,16 +138,20 @@ def fsdp(
             ``groups=[*(shard_group(f"layers.{i}") for i in range(n - 1)),
             shard_group(f"layers.{n - 1}", reshard_after_forward=False),
             shard_group("norm", "output", reshard_after_forward=False)]``.
+        mesh_names: what the mesh calls each dimension, by role (`MeshNames`, or a
+            mapping such as ``{"replicate": "dp_replicate", "shard": "dp_shard"}``);
+            stratagem's own (``"replicate"``, ``"shard"``, ``"tp"``) by default.
         **world: how the ranks join their world (`WorldOptions`), as for `ddp`.
 
     Raises:
         UsageError: an option has the wrong type or value.
     """
     base = ddp(**world)
+    names = env_mesh_names(mesh_names)
     return attrs.evolve(
         base,
         name="fsdp",
-        setup=JoinMesh(join=cast(JoinProcessGroup, base.setup), shard_size=shard_size),
+        setup=JoinMesh(join=cast(JoinProcessGroup, base.setup), shard_size=shard_size, names=names),
         wrap=WrapFSDP(
             shard_when=shard_when,
             reshard_after_forward=reshard_after_forward,

@@ -209,7 +209,8 @@ def holds_part(ctx: Any) -> bool:
     """
     mesh = getattr(ctx, "mesh", None)
     names = getattr(mesh, "mesh_dim_names", None) or ()
-    return mesh is not None and "pp" in names and mesh["pp"].size() > 1
+    pp = ctx.mesh_names.pp if mesh is not None else "pp"
+    return mesh is not None and pp in names and mesh[pp].size() > 1
 
 
 def keyed_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
