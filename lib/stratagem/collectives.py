@@ -7,6 +7,7 @@ wrong on N ranks is already wrong on one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -114,18 +115,18 @@ def group_for(tensor: torch.Tensor, ctx: Context) -> dist.ProcessGroup | None:
     return host_group(ctx) if tensor.device.type == "cpu" else ctx.group
 
 
-def reduced_values(reduced: torch.Tensor, mine: list[Any]) -> list[Any]:
-    """Read a small all-reduced tensor as a list; ``mine`` is what this rank put in.
+def reduced_values(reduced: torch.Tensor, mine: Callable[[], list[Any]]) -> list[Any]:
+    """Read a small all-reduced tensor as a list; ``mine()`` gives what this rank put in.
 
     In a simulated world (`stratagem.dry_run`: torch's fake tensors and fake
     group) a tensor holds no values to read, and a reduction leaves each rank's
-    own: those are ``mine``.
+    own: those are ``mine()``, asked for only then (a real step never builds them).
     """
     if type(reduced) is torch.Tensor:  # every real run: no fake-tensor module to import
         return reduced.tolist()
     from torch._subclasses.fake_tensor import is_fake
 
-    return list(mine) if is_fake(reduced) else reduced.tolist()
+    return mine() if is_fake(reduced) else reduced.tolist()
 
 
 def is_distributed(ctx: Context) -> bool:

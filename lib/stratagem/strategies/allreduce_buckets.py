@@ -111,7 +111,7 @@ def average_gradients(
                 flat.copy_(sent)
             torch._foreach_copy_(members, unflatten(flat, members))
     present_work.wait()
-    anywhere = reduced_values(present, mine)
+    anywhere = reduced_values(present, lambda: mine)
     for index in missing:
         if anywhere[index]:
             params[index].grad = grads[index]

@@ -196,8 +196,7 @@ class GradientHooks:
         self.wait()
         flags = self.buckets[-1].flags
         assert flags is not None
-        mine = [0.0 if index in absent else 1.0 for index in range(len(self.params))]
-        anywhere = reduced_values(flags, [*mine, float(changed)])
+        anywhere = reduced_values(flags, lambda: _flags(len(self.params), absent, changed))
         if anywhere[-1] != 0:  # some rank's gradients are not what it sent: average them again
             self.reset()
             average_gradients(module, ctx, bucket_mb=self.bucket_mb, compression=self.compression)
@@ -243,6 +242,14 @@ class GradientHooks:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+
+
+def _flags(count: int, absent: list[int], changed: bool) -> list[float]:
+    """Return what a rank sends: 1 per parameter with a gradient, 0 per absent one, then changed."""
+    flags = [1.0] * count
+    for index in absent:
+        flags[index] = 0.0
+    return [*flags, float(changed)]
 
 
 _HOOKS: weakref.WeakKeyDictionary[torch.nn.Module, GradientHooks] = weakref.WeakKeyDictionary()

@@ -131,15 +131,21 @@ def _train(
     steps: int,
 ) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """Split the module as ``strategy`` does and train it (on real and simulated ranks alike)."""
-    wrapped = strategy.wrap(_per_rank(module), ctx)
-    made = optimizer(wrapped.parameters())
-    record = [(torch.tensor(math.nan), _whole(wrapped))]
+    return _trained(strategy.wrap(_per_rank(module), ctx), batch, forward, optimizer, steps)
+
+
+def _trained(
+    model: torch.nn.Module, batch: Any, forward: Forward, optimizer: OptimizerFactory, steps: int
+) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """Train ``model``; record the loss (nan before any step) and whole parameters per step."""
+    made = optimizer(model.parameters())
+    record = [(torch.tensor(math.nan), _whole(model))]
     for _ in range(steps):
-        loss = forward(wrapped, batch)
+        loss = forward(model, batch)
         loss.backward()  # type: ignore[no-untyped-call]
         made.step()
         made.zero_grad()
-        record.append((loss.detach(), _whole(wrapped)))
+        record.append((loss.detach(), _whole(model)))
     return record
 
 
@@ -221,6 +227,23 @@ def tensor_parallel_run(
         For each rank, for the wrap and then each step: the loss (``nan`` for the
         wrap) and every parameter gathered whole, by name, on the CPU.
     """
+    strategy, ranks, args = _prepared(
+        subject, module, batch, size, forward, optimizer, steps, world
+    )
+    return _run(strategy, ranks, args, world)
+
+
+def _prepared(
+    subject: object,
+    module: torch.nn.Module,
+    batch: Any,
+    size: int,
+    forward: Forward,
+    optimizer: OptimizerFactory,
+    steps: int,
+    world: World | None,
+) -> tuple[StrategyLike, int, tuple[Any, ...]]:
+    """Check the arguments; return the strategy to run, its rank count and `_train`'s arguments."""
     require(world is None or isinstance(world, World), "check_tensor_parallel: 'world'",
             "a World", world)  # fmt: skip
     ranks = size if world is None else world.world_size
@@ -241,8 +264,13 @@ def tensor_parallel_run(
             f"tensor batch, got {describe(batch)}; pass forward=, a module-level function "
             "(module, batch) -> loss."
         )
-    args = (module, batch, forward, optimizer, steps)
     _check_divides(ranks, strategy)
+    return strategy, ranks, (module, batch, forward, optimizer, steps)
+
+
+def _run(
+    strategy: StrategyLike, ranks: int, args: tuple[Any, ...], world: World | None
+) -> list[Trajectory]:
     if world is None:
         return _simulated(strategy, ranks, args)
     return world.run(_real_rank, strategy, *args)
@@ -251,18 +279,9 @@ def tensor_parallel_run(
 def _reference(
     module: torch.nn.Module, batch: Any, forward: Forward, optimizer: OptimizerFactory, steps: int
 ) -> Trajectory:
-    whole = perturbed(module, 0)
-    made = optimizer(whole.parameters())
-    record: Trajectory = [(math.nan, {k: p.detach().clone() for k, p in whole.named_parameters()})]
-    for _ in range(steps):
-        loss = forward(whole, batch)
-        loss.backward()  # type: ignore[no-untyped-call]
-        made.step()
-        made.zero_grad()
-        record.append(
-            (float(loss.detach()), {k: p.detach().clone() for k, p in whole.named_parameters()})
-        )
-    return record
+    """One process training the whole module, from rank 0's start."""
+    record = _trained(perturbed(module, 0), batch, forward, optimizer, steps)
+    return [(float(loss), state) for loss, state in record]
 
 
 def _after(step: int) -> str:
@@ -329,14 +348,13 @@ def check_tensor_parallel(
         "a Contract",
         contract,
     )
-    runs = tensor_parallel_run(
-        subject, module=module, batch=batch, size=size, forward=forward,
-        optimizer=optimizer, steps=steps, world=world,
-    )  # fmt: skip
-    strategy = _split_strategy(subject, len(runs))
+    strategy, ranks, args = _prepared(
+        subject, module, batch, size, forward, optimizer, steps, world
+    )
+    runs = _run(strategy, ranks, args, world)
     rtol, atol = (contract or Contract()).tolerances(law_tolerances(strategy, "data-parallel-step"))
     expected = _reference(module, batch, forward, optimizer, steps)
-    inputs = f"{type(module).__name__} split over {len(runs)} ranks, {steps} step(s)"
+    inputs = f"{type(module).__name__} split over {ranks} ranks, {steps} step(s)"
     for step, (loss, state) in enumerate(expected):
         for rank, run in enumerate(runs):
             their_loss, theirs = run[step]
