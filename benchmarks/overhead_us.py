@@ -24,8 +24,14 @@ does the same work:
 Each case is the median added time per step (stratagem - plain, per round)
 and the median ratio, with a 95 % bootstrap interval of each median (in the
 notes); an A/A case (the plain loop against a second copy of it) shows what
-noise alone gives. CPU time, one torch thread. Targets (issue 21): at most
-+2 µs per step on ``single_device()``, a ratio of at most 1.01 for every built-in.
+noise alone gives. CPU time, one torch thread. Targets: at most +2 µs per
+step on ``single_device()``, a ratio of at most 1.01 for every built-in (issue
+21) and for each combinator alone (issue 33; ``traced`` is a debugging tool
+that records each call, and the three-layer stack has no target).
+
+A deep model (65 ``Linear(16, 16)`` layers, 130 parameter tensors, issue 36)
+shows whether anything in a step costs per tensor: ``single_device`` and
+clipping over ``bf16-mixed`` against the same by hand.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ EVERY = 4  # micro-batches per optimizer step in the accumulation cases
 MAX_NORM = 1.0
 BATCH, FEATURES = 8, 16
 CALLS = 48  # steps per block (a multiple of EVERY): about 12 ms of work
+DEPTH = 65  # layers of the deep model: 130 parameter tensors, as in issue 36's measurement
 
 Wrap = Callable[[torch.nn.Module, sg.Context], torch.nn.Module]
 WriteStep = Callable[[torch.nn.Module, torch.optim.Optimizer, torch.device], steps.Step]
@@ -202,6 +209,12 @@ class Contender:
     write_ours: WriteOurs = steps.stratagem_step
     target: float | None = None
     notes: str = ""
+    build: Callable[[], torch.nn.Module] = lambda: torch.nn.Linear(FEATURES, FEATURES)
+
+
+def deep() -> torch.nn.Module:
+    """`DEPTH` ``Linear(16, 16)`` layers with ReLU between: 2 x `DEPTH` parameter tensors."""
+    return steps.mlp(*[FEATURES] * (DEPTH + 1))
 
 
 def _cpu() -> sg.Strategy:
@@ -225,22 +238,26 @@ COMBINATORS = (
         "with_precision(single_device, bf16-mixed)",
         lambda: sg.with_precision(_cpu(), "bf16-mixed"),
         write_step=autocast_step,
+        target=RATIO_TARGET,
     ),
     Contender(
         f"with_clipping(single_device, max_norm={MAX_NORM})",
         lambda: sg.with_clipping(_cpu(), max_norm=MAX_NORM),
         write_step=clipped_step,
+        target=RATIO_TARGET,
     ),
     Contender(
         f"accumulate(single_device, {EVERY})",
         lambda: sg.accumulate(_cpu(), EVERY),
         write_step=accumulated_step,
+        target=RATIO_TARGET,
     ),
     Contender(
         "checked(single_device), reduce of the loss each step",
         lambda: sg.checked(_cpu()),
         write_step=logged_step,
         write_ours=logged_ours,
+        target=RATIO_TARGET,
     ),
     Contender(
         "traced(single_device)",
@@ -257,7 +274,24 @@ COMBINATORS = (
         ),
     ),
 )
-CONTENDERS = BUILT_INS + COMBINATORS
+DEEP_MODEL = (
+    Contender(
+        f"single_device, deep ({2 * DEPTH} parameter tensors)",
+        _cpu,
+        target=RATIO_TARGET,
+        build=deep,
+    ),
+    Contender(
+        f"with_clipping(with_precision(single_device, bf16-mixed)), deep ({2 * DEPTH} tensors)",
+        lambda: sg.with_clipping(sg.with_precision(_cpu(), "bf16-mixed"), max_norm=MAX_NORM),
+        write_step=lambda model, optimizer, device: autocast_step(
+            model, optimizer, device, clip=MAX_NORM
+        ),
+        target=RATIO_TARGET,
+        build=deep,
+    ),
+)
+CONTENDERS = BUILT_INS + COMBINATORS + DEEP_MODEL
 
 
 def _intervals(added: list[float], ratio: list[float]) -> str:
@@ -297,7 +331,7 @@ def measure(contender: Contender, rounds: int, *, control: bool = False) -> list
         ours, plain, again = steps.contenders(
             strategy,
             ctx,
-            lambda: torch.nn.Linear(FEATURES, FEATURES),
+            contender.build,
             wrap_by_hand=lambda module: contender.by_hand(module, ctx),
             write_step=contender.write_step,
             write_ours=contender.write_ours,
@@ -342,7 +376,7 @@ def run(quick: bool = False) -> Result:
         config={
             "rounds": rounds,
             "steps_per_block": CALLS,
-            "model": f"Linear({FEATURES}, {FEATURES})",
+            "model": f"Linear({FEATURES}, {FEATURES}); deep: {DEPTH} of them, ReLU between",
             "batch": BATCH,
             "optimizer": "SGD(lr=1e-4)",
             "loss": "mse",

@@ -59,9 +59,16 @@ class Precision:
 
 
 def autocast_step(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    *,
+    clip: float | None = None,
 ) -> steps.Step:
-    """The hand-written bf16-mixed step: forward and loss under autocast, the rest outside."""
+    """The hand-written bf16-mixed step: forward and loss under autocast, the rest outside.
+
+    With ``clip``, ``clip_grad_norm_(model.parameters(), clip)`` before the optimizer steps.
+    """
 
     def train_step(batch: steps.Batch) -> None:
         inputs, targets = batch
@@ -70,6 +77,8 @@ def autocast_step(
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = steps.mse(model, (inputs, targets))
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

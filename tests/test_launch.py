@@ -126,16 +126,6 @@ def test_unpicklable_functions_are_refused_before_any_process_starts(no_leftover
         sg.launch(whoami, sg.ddp_spawn(device="cpu"), devices=2, args=(lambda: 0,))
 
 
-def test_many_launches_in_a_row_neither_hang_nor_leak(no_leftovers):
-    # Each launch ends with a DDP model freed before the gloo group is destroyed; a
-    # teardown that depended on luck would hang one launch in ten here.
-    start = time.monotonic()
-    outcomes = [sg.launch(train_a_little, sg.ddp_spawn(device="cpu"), devices=2) for _ in range(5)]
-    assert all(len(set(o)) == 1 for o in outcomes)  # ranks agree: gradients were synchronised
-    assert len({o[0] for o in outcomes}) == 1  # and every launch computed the same thing
-    assert time.monotonic() - start < 180
-
-
 def test_in_place_under_torchrun_checks_devices(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")

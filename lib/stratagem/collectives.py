@@ -158,6 +158,17 @@ def reduce(tensor: torch.Tensor, op: ReduceOp, ctx: Context) -> torch.Tensor:
         >>> reduce(torch.tensor([1.0, 3.0]), "mean", ctx)
         tensor([1., 3.])
     """
+    # A world of one, a floating tensor, a known op (a loss reduced for logging, every step):
+    # the copy after one test; the checks and their messages otherwise.
+    if (
+        ctx.__class__ is Context
+        and ctx.group is None
+        and tensor.__class__ is torch.Tensor
+        and isinstance(op, str)
+        and op in _TORCH_OPS
+        and tensor.is_floating_point()
+    ):
+        return tensor.clone()
     tensor = _check_tensor(tensor, "reduce")
     op = _check_op(op)
     check_world(check_context(ctx, "reduce"), "reduce")

@@ -6,6 +6,7 @@ environments without touching ``os.environ``.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
@@ -249,6 +250,11 @@ class Context:
     cpu_group: dist.ProcessGroup | None = attrs.field(
         default=None, validator=_CONTEXT_CPU_GROUP, repr=False
     )
+
+    @functools.cached_property
+    def device_type(self) -> str:
+        """``device.type``, kept: autocast takes it each step, and torch makes it anew each read."""
+        return self.device.type
 
     def with_extras(self, **extras: Any) -> Context:
         """Return a copy with more per-run state (a grad scaler, a mesh, ...), keyed by name.

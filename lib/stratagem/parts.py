@@ -44,17 +44,29 @@ class Part:
     group: Any = None
 
 
-_PARTS: weakref.WeakKeyDictionary[torch.nn.Module, Part] = weakref.WeakKeyDictionary()
+# id -> (weak reference, part) of each marked module, removed when the module dies: by id, so a
+# program with no pipeline pays a truth test (a WeakKeyDictionary's get makes a weakref each time).
+_PARTS: dict[int, tuple[weakref.ref[torch.nn.Module], Part]] = {}
 
 
 def hold_part(module: torch.nn.Module, part: Part) -> None:
     """Mark ``module`` (what a wrap returned) as this rank's part of a module split over ranks."""
-    _PARTS[module] = part
+    key = id(module)
+
+    def forget(_: weakref.ref[torch.nn.Module]) -> None:
+        _PARTS.pop(key, None)
+
+    _PARTS[key] = (weakref.ref(module, forget), part)
 
 
 def part_of(module: torch.nn.Module) -> Part | None:
     """Return the `Part` that ``module`` was marked with, or None for a whole module."""
-    return _PARTS.get(module)
+    if not _PARTS:
+        return None
+    found = _PARTS.get(id(module))
+    if found is None or found[0]() is not module:
+        return None
+    return found[1]
 
 
 def everyones(mine: Iterable[str], ctx: Context) -> set[str]:

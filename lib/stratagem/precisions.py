@@ -47,6 +47,10 @@ DTYPES = {
 }
 
 
+AUTOCAST_DTYPES = {name: dtype for name, dtype in DTYPES.items() if name.endswith("-mixed")}
+"""The ``-mixed`` precisions and the dtype each autocasts to: one lookup tells both."""
+
+
 def is_mixed(precision: str) -> bool:
     """Whether ``precision`` keeps float32 parameters and computes in a lower dtype (``-mixed``)."""
     return precision.endswith("-mixed")

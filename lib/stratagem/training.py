@@ -24,12 +24,14 @@ from stratagem.trees import map_tensors
 from stratagem.validators import is_number, require
 
 __all__ = [
+    "HELD_PAIR",
     "OPTIMIZER_NOT_FOR_MODULE",
     "STEP_WITHOUT_FORWARD",
     "UNWRAPPED_UNDER_DDP",
     "backward",
     "check_loss",
     "check_module",
+    "check_not_inside",
     "check_optimizer",
     "check_optimizer_holds",
     "mark_inside_a_wrapper",
@@ -115,7 +117,9 @@ def _dead() -> None:
     return None
 
 
-_LAST: list[Any] = [_dead, _dead]  # weak references of the last pair found to be fine
+# Weak references of the last (optimizer, module) pair found to be fine: fields that run every
+# step test it inline (two dereferences) before calling check_optimizer_holds.
+HELD_PAIR: list[Any] = [_dead, _dead]
 
 
 def check_optimizer_holds(optimizer: Any, module: object, function: str) -> None:
@@ -132,7 +136,7 @@ def check_optimizer_holds(optimizer: Any, module: object, function: str) -> None
     """
     if isinstance(optimizer, OptimizerHook):  # a combinator's view, made anew for every update
         optimizer = root_optimizer(optimizer)
-    last_optimizer, last_module = _LAST
+    last_optimizer, last_module = HELD_PAIR
     if last_optimizer() is optimizer and last_module() is module:
         return  # the usual loop: one pair, two dereferences
     try:
@@ -160,7 +164,7 @@ def check_optimizer_holds(optimizer: Any, module: object, function: str) -> None
 
 
 def _remember(optimizer: Any, module: object) -> None:
-    _LAST[:] = [weakref.ref(optimizer), weakref.ref(module)]
+    HELD_PAIR[:] = [weakref.ref(optimizer), weakref.ref(module)]
 
 
 UNWRAPPED_UNDER_DDP = (
@@ -186,7 +190,12 @@ def mark_inside_a_wrapper(module: torch.nn.Module) -> None:
     _INSIDE[key] = weakref.ref(module, forget)
 
 
-def _check_not_inside(module: object, function: str) -> None:
+def check_not_inside(module: object, function: str) -> None:
+    """Raise if ``module`` is one that ``ddp()``'s wrap put inside its wrapper.
+
+    Raises:
+        UsageError: it is (`UNWRAPPED_UNDER_DDP`).
+    """
     if _INSIDE:  # a program that never wrapped with DDP pays a truth test only
         known = _INSIDE.get(id(module))
         if known is not None and known() is module:
@@ -289,8 +298,8 @@ def step(
         check_module(module, "step")
         check_context(ctx, "step")
         require(ok, "step: 'forward'", "None or a function forward(module, batch)", forward)
-    if torch.is_grad_enabled():  # evaluation under no_grad through the inner module is fine
-        _check_not_inside(module, "step")
+    if _INSIDE and torch.is_grad_enabled():  # evaluation under no_grad through it is fine
+        check_not_inside(module, "step")
     batch = move_batch(batch, ctx.device)
     if forward is not None:
         return forward(module, batch)
@@ -331,8 +340,11 @@ def update(optimizer: torch.optim.Optimizer, module: torch.nn.Module, ctx: Conte
     if not (isinstance(optimizer, torch.optim.Optimizer) and ctx.__class__ is Context):
         check_optimizer(optimizer, "update")
         check_context(ctx, "update")
-    _check_not_inside(module, "update")
-    check_optimizer_holds(optimizer, module, "update")  # a lookup once the pair is known
+    if _INSIDE:  # a program that never wrapped with DDP pays a truth test only
+        check_not_inside(module, "update")
+    last_optimizer, last_module = HELD_PAIR
+    if not (last_optimizer() is optimizer and last_module() is module):  # the usual loop's pair
+        check_optimizer_holds(optimizer, module, "update")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 

@@ -25,6 +25,7 @@ from stratagem.fields import (
 )
 from stratagem.strategy import Strategy
 from stratagem.training import (
+    HELD_PAIR,
     backward,
     check_loss,
     check_module,
@@ -65,10 +66,7 @@ class AccumulationState:
 
 
 def _state(ctx: Context, function: str) -> AccumulationState:
-    if ctx.__class__ is Context:  # every micro-batch runs this three times: one test, usually
-        found = ctx.extras.get("accumulation")
-        if found.__class__ is AccumulationState:
-            return found
+    # Each field first tries ctx.extras itself (one test a micro-batch); this is the slow path.
     state = check_context(ctx, function).extras.get("accumulation")
     if not isinstance(state, AccumulationState):
         raise UsageError(
@@ -115,8 +113,11 @@ class AccumulationStep:
     def __call__(
         self, module: torch.nn.Module, batch: Any, ctx: Context, *, forward: ForwardFn | None = None
     ) -> Any:
-        check_module(module, "step")
-        state = _state(ctx, "step")
+        state = ctx.extras.get("accumulation") if ctx.__class__ is Context else None
+        # Every micro-batch runs this: one test, usually; the checks and their messages after.
+        if not (state.__class__ is AccumulationState and isinstance(module, torch.nn.Module)):
+            check_module(module, "step")
+            state = _state(ctx, "step")
         # One process's no_sync does nothing: entering it would only cost a few calls a step.
         if (
             self.no_sync is not no_sync
@@ -139,7 +140,9 @@ class AccumulationBackward:
     def __call__(self, loss: torch.Tensor, module: torch.nn.Module, ctx: Context) -> None:
         if self.inner is not backward:  # the plain backward checks the divided loss the same way
             check_loss(loss, "backward")
-        state = _state(ctx, "backward")
+        state = ctx.extras.get("accumulation") if ctx.__class__ is Context else None
+        if state.__class__ is not AccumulationState:
+            state = _state(ctx, "backward")
         if self.normalize == "mean":
             loss = loss / state.every
         elif self.normalize == "count":
@@ -167,9 +170,14 @@ class AccumulationUpdate:
     def __call__(
         self, optimizer: torch.optim.Optimizer, module: torch.nn.Module, ctx: Context
     ) -> None:
-        check_optimizer(optimizer, "update")  # every call: a bad one fails at once, not at N
-        check_optimizer_holds(optimizer, module, "update")  # a lookup once the pair is known
-        state = _state(ctx, "update")
+        # Every call, not only each window's last: a bad optimizer fails at once, not at N.
+        check_optimizer(optimizer, "update")
+        last_optimizer, last_module = HELD_PAIR
+        if not (last_optimizer() is optimizer and last_module() is module):
+            check_optimizer_holds(optimizer, module, "update")
+        state = ctx.extras.get("accumulation") if ctx.__class__ is Context else None
+        if state.__class__ is not AccumulationState:
+            state = _state(ctx, "update")
         if state.index % state.every == 0:
             self.inner(optimizer, module, ctx)
             state.count = None

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import operator
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +19,13 @@ from stratagem.optimizer_hooks import OptimizerHook, root_optimizer
 from stratagem.parts import part_of
 from stratagem.precisions import precision_of
 from stratagem.strategy import Strategy
-from stratagem.training import check_optimizer, check_optimizer_holds, clip_norm_, update
+from stratagem.training import (
+    check_not_inside,
+    check_optimizer,
+    check_optimizer_holds,
+    clip_norm_,
+    update,
+)
 from stratagem.validators import is_number, require
 
 __all__ = ["ClipState", "with_clipping"]
@@ -51,16 +59,36 @@ class ClipSetup:
         return self.inner(env).with_extras(clipping=ClipState())
 
 
+def _dead() -> None:
+    return None
+
+
+# The last (optimizer, module) pair whose one parameter list was found in the module's order:
+# weak references, and the list's id and length. The usual loop then reuses the optimizer's own
+# list after four tests instead of walking the module every step.
+_IN_ORDER: list[Any] = [_dead, _dead, 0, -1]
+
+
 def _parameters(optimizer: Any, module: object) -> list[torch.Tensor]:
     """Return the optimizer's parameters in ``module.parameters()`` order, then the rest."""
     # The order of the norm's sum shows in its last bits: the module's order is the one a
     # hand-written loop uses (clip_grad_norm_(model.parameters(), ...)), so theirs match ours.
-    groups = root_optimizer(optimizer).param_groups
+    root = root_optimizer(optimizer)
+    groups = root.param_groups
     held = groups[0]["params"] if len(groups) == 1 else [p for g in groups for p in g["params"]]
+    known, module_known, held_id, length = _IN_ORDER
+    same = known() is root and module_known() is module and held_id == id(held)
+    if same and length == len(held):
+        # The list of last step, which was in the module's order; returned live, so a parameter
+        # swapped into it since is clipped too.
+        return held
     if not isinstance(module, torch.nn.Module):
         return list(held)
     in_module: list[torch.Tensor] = list(module.parameters())
     if len(in_module) == len(held) and all(map(operator.is_, in_module, held)):
+        if len(groups) == 1:
+            with contextlib.suppress(TypeError):  # an optimizer-like object without weakrefs
+                _IN_ORDER[:] = [weakref.ref(root), weakref.ref(module), id(held), len(held)]
         return in_module  # the usual case, compared in one go
     ids = set(map(id, held))
     ordered = [p for p in in_module if id(p) in ids]
@@ -87,7 +115,8 @@ class ClipUpdate:
         if self.inner is update:
             # The plain update is step, then zero_grad: clipping before it is clipping inside
             # its step, without a hook around the optimizer (a tenth of a tiny step's time).
-            check_optimizer_holds(optimizer, module, "update")  # as update does
+            check_not_inside(module, "update")  # update's own checks, as it makes them
+            check_optimizer_holds(optimizer, module, "update")
             self.clip(optimizer, module, ctx)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -102,7 +131,7 @@ class ClipUpdate:
     def clip(self, optimizer: Any, module: torch.nn.Module, ctx: Context) -> None:
         """Unscale (under ``"16-mixed"``), then clip the gradients ``optimizer`` will apply."""
         extras = ctx.extras
-        precision = precision_of(ctx)
+        precision = precision_of(ctx) if "precision" in extras else None
         if precision is not None:  # clip what the optimizer will see, not scaled values
             precision.unscale(root_optimizer(optimizer))
         parameters = _parameters(optimizer, module)
