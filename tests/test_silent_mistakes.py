@@ -163,6 +163,33 @@ def test_ddp_step_refuses_the_module_from_before_wrap(ddp_world) -> None:
         strategy.step(model, torch.ones(4, 3), ctx, forward=loss_of)
 
 
+@pytest.mark.parametrize(
+    "combine",
+    [
+        lambda strategy: sg.with_clipping(strategy, max_norm=1.0),
+        lambda strategy: sg.accumulate(strategy, 1),
+        lambda strategy: sg.with_precision(strategy, "bf16-mixed"),
+    ],
+    ids=["clipped", "accumulated", "bf16-mixed"],
+)
+def test_a_combinator_over_ddp_refuses_the_module_from_before_wrap_in_update(combine) -> None:
+    # Clipping over the plain update used to clip and step itself without update's checks of
+    # the module: the module from before wrap was stepped, its gradients never averaged.
+    strategy = combine(sg.ddp(device="cpu"))
+    ctx = strategy.setup(sg.Env())
+    try:
+        model = torch.nn.Linear(3, 2)
+        wrapped = strategy.wrap(model, ctx)
+        optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+        loss = strategy.step(wrapped, torch.ones(4, 3), ctx, forward=loss_of)
+        strategy.backward(loss, wrapped, ctx)
+        with pytest.raises(sg.UsageError, match=r"^update: 'module' is the Linear from before"):
+            strategy.update(optimizer, model, ctx)
+        strategy.update(optimizer, wrapped, ctx)
+    finally:
+        strategy.teardown(ctx)
+
+
 def test_ddp_step_accepts_the_wrapped_module_under_combinators(ddp_world) -> None:
     _, ctx = ddp_world
     strategy = sg.with_precision(sg.with_clipping(sg.ddp(device="cpu"), max_norm=1.0), "bf16-mixed")
