@@ -93,7 +93,12 @@ def train(strategy, ctx, model_name: str = "mlp", seed: int | None = None) -> di
         strategy.backward(loss, model, ctx)
         strategy.update(optimizer, model, ctx)
         losses.append(float(strategy.reduce(loss.detach(), "mean", ctx)))
-    return {"state": state_of(model, optimizer), "losses": losses, "dp": ctx.data_parallel}
+    return {
+        "state": state_of(model, optimizer),
+        "losses": losses,
+        "dp": ctx.data_parallel,
+        "mesh": getattr(ctx.mesh, "mesh_dim_names", None),
+    }
 
 
 def reference(model_name: str = "mlp") -> dict[str, object]:
@@ -136,13 +141,21 @@ def test_each_schedule_on_two_ranks_trains_as_one_process(schedule):
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_each_schedule_as_dp_x_pp_on_four_ranks_trains_as_one_process(schedule):
     stages = SCHEDULES[schedule]
+    names = {"replicate": "dp_replicate", "pp": "stage"}  # the user's (issue 36), not "dp", "pp"
     strategy = sg.spawned(
         sg.pipeline(
-            stages=stages, schedule=schedule, microbatches=2, size=2, timeout=60, device="cpu"
+            stages=stages,
+            schedule=schedule,
+            microbatches=2,
+            size=2,
+            mesh_names=names,
+            timeout=60,
+            device="cpu",
         )
     )
     results = sg.launch(train, strategy, devices=4)
-    # ("dp", "pp"): pipelines of consecutive ranks, each replica its own half of the batch.
+    assert {r["mesh"] for r in results} == {("dp_replicate", "stage")}
+    # Pipelines of consecutive ranks, each replica its own half of the batch.
     assert [r["dp"] for r in results] == [(0, 2), (0, 2), (1, 2), (1, 2)]
     # A replica's loss is its half's; their mean (reduced in train) is the whole batch's.
     assert_trains_as_one_process(results, reference(), pipelines=2)
@@ -322,6 +335,10 @@ def test_a_bad_configuration_is_refused_at_construction_naming_the_fix():
         sg.pipeline(stages="0123", microbatches=4, device="cpu")  # type: ignore[arg-type]
     with pytest.raises(sg.UsageError, match=r"needs at least as many micro-batches as stages"):
         sg.pipeline(stages=TWO, schedule="1f1b", microbatches=1, size=2, device="cpu")
+    with pytest.raises(sg.UsageError, match=r"'mesh_names' must be a MeshNames or a mapping"):
+        sg.pipeline(stages=TWO, microbatches=4, mesh_names={"dp": "x"}, device="cpu")
+    with pytest.raises(sg.UsageError, match=r"each role needs a name of its own"):
+        sg.pipeline(stages=TWO, microbatches=4, mesh_names={"pp": "dp"}, device="cpu")
     with pytest.raises(sg.UsageError, match=r"several stages on each rank.*module paths"):
         sg.pipeline(
             stages=lambda module, index, count: module,

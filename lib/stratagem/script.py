@@ -17,10 +17,10 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-from stratagem.combinators._base import peel
 from stratagem.env import Context, Env, check_env, detect_env
 from stratagem.errors import UsageError
 from stratagem.launching import Spawn
+from stratagem.layers import peel
 from stratagem.strategy import StrategyLike, not_a_strategy
 
 __all__ = ["joined"]

@@ -8,7 +8,7 @@ validators here, so every substitution is checked as construction is.
 from __future__ import annotations
 
 import inspect
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import attrs
 
@@ -31,8 +31,18 @@ from stratagem.fields import (
     WrapFn,
 )
 from stratagem.fields import StrategyLike as StrategyLike  # defined beside its field types
+from stratagem.layers import peel, repointed
 
-__all__ = ["BUILT_IN_FACTORIES", "FIELD_SIGNATURES", "Strategy", "StrategyLike", "not_a_strategy"]
+__all__ = [
+    "BUILT_IN_FACTORIES",
+    "FIELD_SIGNATURES",
+    "Strategy",
+    "StrategyLike",
+    "applied",
+    "not_a_strategy",
+]
+
+T = TypeVar("T")
 
 
 @attrs.frozen
@@ -115,6 +125,18 @@ class Strategy:
     load: LoadFn = attrs.field(validator=_Accepts("(path, state, ctx) -> dict", 3))
     teardown: TeardownFn = attrs.field(validator=_Accepts("(ctx) -> None", 1))
 
+    def __attrs_post_init__(self) -> None:
+        # A layer that holds another field besides its inner one (accumulate's step holds the
+        # no_sync it enters) holds this record's own, however the record was built: a field
+        # substituted after the layer (traced, a user's no_sync) is the one it calls.
+        fields = {name: getattr(self, name) for name in _FIELD_NAMES}
+        for name, value in fields.items():
+            current = repointed(value, fields)
+            if current is not value:
+                object.__setattr__(self, name, current)  # frozen: this is construction
+
+
+_FIELD_NAMES = tuple(field.name for field in attrs.fields(Strategy) if field.name != "name")
 
 FIELD_SIGNATURES: dict[str, _Accepts] = {
     field.name: cast(_Accepts, field.validator)
@@ -122,6 +144,23 @@ FIELD_SIGNATURES: dict[str, _Accepts] = {
     if field.name != "name"
 }
 """The calling convention of every function field, as validated at construction."""
+
+
+def applied(strategy: StrategyLike, kind: type[T]) -> T | None:
+    """Return the first layer, or base, of type ``kind`` in any field of ``strategy``, or None.
+
+    Example:
+        >>> import stratagem as sg
+        >>> from stratagem.combinators.clipping import ClipUpdate
+        >>> applied(sg.with_clipping(sg.ddp(), max_norm=1.0), ClipUpdate).max_norm
+        1.0
+    """
+    for name in FIELD_SIGNATURES:
+        layers, base = peel(getattr(strategy, name))
+        for value in (*layers, base):
+            if isinstance(value, kind):
+                return value
+    return None
 
 
 BUILT_IN_FACTORIES = frozenset(

@@ -1,17 +1,12 @@
-"""What combinators share: finding an applied combinator, and the optimizer-step pipeline.
+"""What combinators share: their checks, the modules a policy picks, the gradients to step.
 
 A combinator that must act just before the optimizer steps (unscaling,
 clipping) does not replace ``update``: it passes the inner ``update`` an
 `OptimizerHook` whose ``step`` runs the combinator's code around the real
 step. The inner update (DDP's, or the Horovod-style one that all-reduces
 first) keeps its own order, and hooks run in the order combinators were applied.
-
-A layer is an attrs callable with an ``inner`` field, stratagem's or a
-user's: nothing here, nor in the kit, tells the two apart. A layer that
-distributes (splits over a mesh, registers a communication hook) or only
-records says so with a class attribute ``in_reference = False``: the kit's
-derived reference, which is the stack without its distribution, leaves it
-out (`in_reference`).
+How a layer describes itself (peeling, the reference, fields it holds) is
+`stratagem.layers`; finding one in a record is `stratagem.strategy.applied`.
 """
 
 from __future__ import annotations
@@ -19,23 +14,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import attrs
 import torch
 
 from stratagem.errors import CombinatorError, UsageError, describe
 from stratagem.optimizer_hooks import root_optimizer
-from stratagem.strategy import FIELD_SIGNATURES, Strategy, StrategyLike, not_a_strategy
+from stratagem.strategy import Strategy, not_a_strategy
 
-__all__ = [
-    "CombinatorError",
-    "applied",
-    "check_strategy",
-    "gradients",
-    "in_reference",
-    "outermost_picks",
-    "peel",
-    "rebased",
-]
+__all__ = ["CombinatorError", "check_strategy", "gradients", "outermost_picks"]
 
 
 def outermost_picks(
@@ -75,68 +60,6 @@ def check_strategy(strategy: object, combinator: str) -> Strategy:
     if not isinstance(strategy, Strategy):
         raise UsageError(not_a_strategy(strategy, combinator))
     return strategy
-
-
-def _layers(value: object) -> list[object]:
-    out = [value]
-    while hasattr(value, "inner"):
-        value = value.inner
-        out.append(value)
-    return out
-
-
-def _is_layer(value: object) -> bool:
-    kind = type(value)
-    return attrs.has(kind) and "inner" in attrs.fields_dict(kind)
-
-
-def peel(field: Any) -> tuple[list[Any], Any]:
-    """Split a field into its combinator layers (outermost first) and the function they wrap.
-
-    A layer is an attrs callable with an ``inner`` field, as every combinator
-    makes; the first value that is not one is the base (a built-in's field, or
-    the user's own function).
-
-    Example:
-        >>> import stratagem as sg
-        >>> layers, base = peel(sg.with_clipping(sg.ddp(), max_norm=1.0).update)
-        >>> [type(layer).__name__ for layer in layers], base is sg.ddp().update
-        (['ClipUpdate'], True)
-    """
-    layers = []
-    while _is_layer(field):
-        layers.append(field)
-        field = field.inner
-    return layers, field
-
-
-def in_reference(layer: object) -> bool:
-    """Whether the kit's derived reference keeps ``layer``: unless its class says it distributes.
-
-    Example:
-        >>> import stratagem as sg
-        >>> in_reference(sg.with_clipping(sg.ddp(), max_norm=1.0).update)
-        True
-        >>> in_reference(sg.traced(sg.ddp(), print).update)
-        False
-    """
-    return getattr(type(layer), "in_reference", True) is not False
-
-
-def rebased(layers: list[Any], base: Any) -> Any:
-    """Return ``layers`` (as `peel` gave them) rebuilt around another ``base``."""
-    for layer in reversed(layers):
-        base = attrs.evolve(layer, inner=base)
-    return base
-
-
-def applied(strategy: StrategyLike, kind: type[Any]) -> Any | None:
-    """Return the first field wrapper of type ``kind`` found in ``strategy``, or None."""
-    for name in FIELD_SIGNATURES:
-        for layer in _layers(getattr(strategy, name)):
-            if isinstance(layer, kind):
-                return layer
-    return None
 
 
 def gradients(optimizer: Any) -> list[torch.Tensor]:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import attrs
 import torch
 
-from stratagem.combinators._base import CombinatorError, applied, check_strategy
+from stratagem.combinators._base import CombinatorError, check_strategy
 from stratagem.env import Context, Env, check_context, check_env
 from stratagem.errors import UsageError, describe
 from stratagem.fields import (
@@ -23,7 +23,7 @@ from stratagem.fields import (
     StepFn,
     UpdateFn,
 )
-from stratagem.strategy import Strategy
+from stratagem.strategy import Strategy, applied
 from stratagem.training import (
     HELD_PAIR,
     backward,
@@ -35,7 +35,7 @@ from stratagem.training import (
 )
 from stratagem.validators import is_int, require
 
-__all__ = ["AccumulationState", "Every", "Normalize", "accumulate"]
+__all__ = ["AccumulationState", "Every", "Normalize", "accumulate", "resolved_every"]
 
 Normalize = Literal["mean", "sum", "count"]
 Every = int | Callable[[int], int]
@@ -76,7 +76,12 @@ def _state(ctx: Context, function: str) -> AccumulationState:
     return state
 
 
-def _resolved(every: Every, world_size: int) -> int:
+def resolved_every(every: Every, world_size: int) -> int:
+    """Return the micro-batches per optimizer step that ``every`` gives a world of ``world_size``.
+
+    Raises:
+        UsageError: a function ``every`` returned no positive int.
+    """
     if isinstance(every, int):
         return every
     value = every(world_size)
@@ -99,16 +104,22 @@ class AccumulationSetup:
     def __call__(self, env: Env) -> Context:
         # Resolved before the inner setup joins the world: a bad count fails every rank alike,
         # with no process group left behind.
-        every = _resolved(self.every, check_env(env, "setup").world_size)
+        every = resolved_every(self.every, check_env(env, "setup").world_size)
         return self.inner(env).with_extras(accumulation=AccumulationState(every))
 
 
 @attrs.frozen
 class AccumulationStep:
-    """Step: enter the inner ``no_sync`` before each forward but a window's last (DDP needs it)."""
+    """Step: enter the record's ``no_sync`` before each forward but a window's last (DDP needs it).
+
+    ``no_sync`` is the record's own field, held (``holds``): the record re-points
+    it whenever it is rebuilt, so a ``no_sync`` substituted after ``accumulate``
+    (``traced``'s, a user's) is the one entered (`stratagem.layers`).
+    """
 
     inner: StepFn
     no_sync: NoSyncFn
+    holds: ClassVar[tuple[str, ...]] = ("no_sync",)
 
     def __call__(
         self, module: torch.nn.Module, batch: Any, ctx: Context, *, forward: ForwardFn | None = None

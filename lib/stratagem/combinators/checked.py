@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 
 from stratagem.collectives import expect_everyone
-from stratagem.combinators._base import CombinatorError, applied, check_strategy
+from stratagem.combinators._base import CombinatorError, check_strategy
 from stratagem.env import Context, check_context, host_group
 from stratagem.errors import CollectiveMismatchError
 from stratagem.fields import BarrierFn, BroadcastFn, GatherFn, ReduceFn, ReduceOp
-from stratagem.strategy import Strategy
+from stratagem.strategy import Strategy, applied
 from stratagem.validators import require
 
 __all__ = [

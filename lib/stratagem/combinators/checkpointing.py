@@ -24,16 +24,11 @@ from typing import Any
 import attrs
 import torch
 
-from stratagem.combinators._base import (
-    CombinatorError,
-    applied,
-    check_strategy,
-    outermost_picks,
-)
+from stratagem.combinators._base import CombinatorError, check_strategy, outermost_picks
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
 from stratagem.fields import WrapFn
-from stratagem.strategy import Strategy
+from stratagem.strategy import Strategy, applied
 from stratagem.validators import require
 
 __all__ = ["CheckpointPolicy", "CheckpointWrap", "with_activation_checkpointing"]

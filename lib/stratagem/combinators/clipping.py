@@ -11,14 +11,14 @@ from typing import Any
 import attrs
 import torch
 
-from stratagem.combinators._base import CombinatorError, applied, check_strategy
+from stratagem.combinators._base import CombinatorError, check_strategy
 from stratagem.env import Context, Env, check_context
 from stratagem.errors import UsageError
 from stratagem.fields import SetupFn, UpdateFn
 from stratagem.optimizer_hooks import OptimizerHook, root_optimizer
 from stratagem.parts import part_of
 from stratagem.precisions import precision_of
-from stratagem.strategy import Strategy
+from stratagem.strategy import Strategy, applied
 from stratagem.training import (
     check_not_inside,
     check_optimizer,

@@ -22,16 +22,11 @@ from typing import Any, cast
 import attrs
 import torch
 
-from stratagem.combinators._base import (
-    CombinatorError,
-    applied,
-    check_strategy,
-    outermost_picks,
-)
+from stratagem.combinators._base import CombinatorError, check_strategy, outermost_picks
 from stratagem.env import Context
 from stratagem.errors import UsageError, describe
 from stratagem.fields import WrapFn
-from stratagem.strategy import Strategy
+from stratagem.strategy import Strategy, applied
 
 __all__ = ["CompiledWrap", "compiled"]
 

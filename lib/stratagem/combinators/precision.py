@@ -9,7 +9,7 @@ import attrs
 import torch
 
 from stratagem import collectives
-from stratagem.combinators._base import CombinatorError, applied, check_strategy, gradients
+from stratagem.combinators._base import CombinatorError, check_strategy, gradients
 from stratagem.env import Context, Env, check_context
 from stratagem.errors import UsageError
 from stratagem.fields import (
@@ -32,7 +32,7 @@ from stratagem.precisions import (
     is_mixed,
     precision_of,
 )
-from stratagem.strategy import Strategy
+from stratagem.strategy import Strategy, applied
 from stratagem.training import check_loss, check_optimizer, move_batch
 from stratagem.trees import map_tensors
 from stratagem.validators import require

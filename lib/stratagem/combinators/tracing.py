@@ -19,10 +19,10 @@ from typing import Any, ClassVar, cast
 
 import attrs
 
-from stratagem.combinators._base import CombinatorError, applied, check_strategy
+from stratagem.combinators._base import CombinatorError, check_strategy
 from stratagem.env import Context, Env
 from stratagem.errors import UsageError, describe
-from stratagem.strategy import FIELD_SIGNATURES, Strategy
+from stratagem.strategy import FIELD_SIGNATURES, Strategy, applied
 from stratagem.trees import tensors_in
 from stratagem.validators import instance_of, require
 

@@ -12,12 +12,13 @@ teardown are ``ddp()``'s. docs/pipeline.md explains why a pipeline's
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Unpack, cast
 
 import attrs
 
-from stratagem.env import Context, Env, check_env
+from stratagem.env import Context, Env, MeshNames, check_env
+from stratagem.env import mesh_names as env_mesh_names
 from stratagem.errors import UsageError
 from stratagem.fields import BackwardInStep, SetupFn
 from stratagem.process_group import JoinProcessGroup, WorldOptions
@@ -53,13 +54,30 @@ _AT_MOST = field(
 _MICROBATCHES = attrs.validators.and_(_POSITIVE, _AT_MOST)
 
 
+PIPELINE_NAMES = MeshNames(replicate="dp")
+"""A pipeline's mesh dimensions unless renamed: ``("dp", "pp")``."""
+
+
+def pipeline_names(names: object) -> MeshNames:
+    """Convert ``mesh_names=`` of `pipeline` (None, a mapping of roles, or `MeshNames`).
+
+    Roles not given keep the pipeline's own names, ``"dp"`` and ``"pp"``.
+    """
+    if names is None:
+        return PIPELINE_NAMES
+    if isinstance(names, Mapping):
+        return env_mesh_names({"replicate": PIPELINE_NAMES.replicate, **names})
+    return env_mesh_names(names)
+
+
 @attrs.frozen(kw_only=True)
 class JoinPipeline:
     """Setup field: check the pipeline's shape against the world, join, add the mesh.
 
     The mesh is ``("pp",)`` of every rank, or ``("dp", "pp")`` with pipelines of
     ``size`` consecutive ranks; ``ctx.data_parallel`` is then the index of this
-    rank's pipeline among the ``world / size`` replicas.
+    rank's pipeline among the ``world / size`` replicas. ``names`` renames the
+    two dimensions by role (`MeshNames`: ``replicate`` and ``pp``).
     """
 
     join: SetupFn = attrs.field(factory=JoinProcessGroup)
@@ -71,6 +89,7 @@ class JoinPipeline:
     size: int | None = attrs.field(
         default=None, validator=positive_int("pipeline: '{name}'", optional="None (every rank)")
     )
+    names: MeshNames = attrs.field(default=PIPELINE_NAMES, converter=pipeline_names)
 
     def shape(self, env: Env) -> tuple[int, int]:
         """Return ``(replicas, ranks per pipeline)`` for ``env``'s world.
@@ -96,12 +115,13 @@ class JoinPipeline:
 
         replicas, size = self.shape(check_env(env, "setup"))  # before joining: fail fast
         ctx = self.join(env)
+        pp, replicate = self.names.pp, self.names.replicate
         if replicas == 1:
-            mesh = init_device_mesh(ctx.device.type, (size,), mesh_dim_names=("pp",))
+            mesh = init_device_mesh(ctx.device.type, (size,), mesh_dim_names=(pp,))
         else:
-            shape, names = (replicas, size), ("dp", "pp")
+            shape, names = (replicas, size), (replicate, pp)
             mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
-        return ctx.with_extras(mesh=mesh)
+        return ctx.with_extras(mesh=mesh, mesh_names=self.names)
 
 
 def _check_split(stages: object, schedule: str) -> Split:
@@ -143,6 +163,7 @@ def pipeline(
     schedule: ScheduleName = "1f1b",
     microbatches: int,
     size: int | None = None,
+    mesh_names: MeshNames | Mapping[str, str] | None = None,
     **world: Unpack[WorldOptions],
 ) -> Strategy:
     """Pipeline parallelism on the ranks that torchrun or SLURM started (``spawned(...)`` here).
@@ -164,6 +185,9 @@ def pipeline(
         microbatches: micro-batches per step; must divide every batch.
         size: ranks per pipeline; ``None`` for all. A smaller size gives a
             ``("dp", "pp")`` mesh of ``world / size`` data-parallel pipelines.
+        mesh_names: the mesh's dimension names by role (`MeshNames`, or a
+            mapping such as ``{"replicate": "dp_replicate"}``); ``None``
+            keeps ``"dp"`` and ``"pp"``.
         **world: how the ranks join their world (`WorldOptions`), as for
             `ddp`; ``timeout`` also bounds every transfer between stages.
 
@@ -196,6 +220,7 @@ def pipeline(
             stages=None if callable(split) else len(split),
             microbatches=microbatches,
             size=size,
+            names=pipeline_names(mesh_names),
         ),
         wrap=wrap,
         step=pipeline_step,

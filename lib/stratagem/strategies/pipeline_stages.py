@@ -184,9 +184,10 @@ def stage_view(module: torch.nn.Module, paths: Sequence[str]) -> torch.nn.Module
 
 def _mesh(ctx: Context) -> DeviceMesh:
     mesh: DeviceMesh | None = ctx.mesh
-    if mesh is None or "pp" not in (mesh.mesh_dim_names or ()):
+    pp = ctx.mesh_names.pp
+    if mesh is None or pp not in (mesh.mesh_dim_names or ()):
         raise UsageError(
-            "wrap: ctx has no mesh with a 'pp' dimension; pass the Context that the pipeline "
+            f"wrap: ctx has no mesh with a {pp!r} dimension; pass the Context that the pipeline "
             "strategy's setup returned."
         )
     return mesh
@@ -213,7 +214,7 @@ class PipelineWrap:
         if not callable(self.split):
             check_split(module, self.split)  # the same module everywhere: every rank raises
         mesh = _mesh(check_context(ctx, "wrap"))
-        pp_mesh = mesh["pp"]
+        pp_mesh, replicate = mesh[ctx.mesh_names.pp], ctx.mesh_names.replicate
         size, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
         count = self.stage_count(size)
         check_stage_count(self.schedule, count, size)
@@ -242,8 +243,8 @@ class PipelineWrap:
             for part, index in zip(parts, held, strict=True)
         ]
         dp_group, dp_size, first_replica = None, 1, int(pp_mesh.mesh[pp_rank])
-        if "dp" in (mesh.mesh_dim_names or ()) and mesh["dp"].size() > 1:
-            dp_group, dp_size = mesh["dp"].get_group(), mesh["dp"].size()
+        if replicate in (mesh.mesh_dim_names or ()) and mesh[replicate].size() > 1:
+            dp_group, dp_size = mesh[replicate].get_group(), mesh[replicate].size()
             first_replica = int(mesh.mesh[0, pp_rank])  # this stage's copy in the first pipeline
         last_rank = rank_of_stage(self.schedule, count - 1, count, size)
         run = PipelineRun(

@@ -11,15 +11,14 @@ from typing import Any
 import attrs
 import torch
 
-from stratagem.combinators._base import applied
-from stratagem.combinators.accumulation import AccumulationSetup, _resolved
+from stratagem.combinators.accumulation import AccumulationSetup, resolved_every
 from stratagem.combinators.checkpointing import CheckpointWrap
 from stratagem.combinators.clipping import ClipUpdate
 from stratagem.combinators.compiled import CompiledWrap
 from stratagem.combinators.precision import PrecisionSetup
 from stratagem.errors import UsageError, describe
 from stratagem.fields import REDUCE_OPS, ReduceOp
-from stratagem.strategy import StrategyLike
+from stratagem.strategy import StrategyLike, applied
 from stratagem.testing import laws
 from stratagem.testing.contract import Contract
 from stratagem.testing.laws._core import squares_mean
@@ -65,7 +64,7 @@ LAWS: tuple[str, ...] = (
 def _default_batch(strategy: StrategyLike, world_size: int) -> torch.Tensor:
     """Four rows a rank, or more so that an accumulation window of k micro-batches divides them."""
     window = applied(strategy, AccumulationSetup)
-    rows = 4 if window is None else math.lcm(4, _resolved(window.every, world_size))
+    rows = 4 if window is None else math.lcm(4, resolved_every(window.every, world_size))
     return torch.randn(rows * world_size, 4, generator=torch.Generator().manual_seed(1))
 
 

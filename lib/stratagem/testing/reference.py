@@ -23,13 +23,13 @@ from typing import Any
 import attrs
 import torch
 
-from stratagem.combinators._base import applied, in_reference, peel, rebased
 from stratagem.combinators.accumulation import AccumulationSetup
 from stratagem.combinators.precision import PrecisionSetup
+from stratagem.layers import in_reference, peel, rebased
 from stratagem.strategies.ddp import WrapDDP
 from stratagem.strategies.fsdp_units import WrapFSDP
 from stratagem.strategies.single import single_device
-from stratagem.strategy import FIELD_SIGNATURES, Strategy, StrategyLike
+from stratagem.strategy import FIELD_SIGNATURES, Strategy, StrategyLike, applied
 from stratagem.testing.contract import Buffers, Contract
 
 __all__ = ["buffers_rule", "undistributed"]
@@ -52,13 +52,8 @@ def undistributed(strategy: StrategyLike, *, every: int | None = None) -> Strate
     plain = single_device("cpu")
     changes: dict[str, Any] = {}
     peeled = {name: peel(getattr(strategy, name)) for name in FIELD_SIGNATURES}
-    # A layer may hold another field besides its inner one (accumulate's step holds the
-    # no_sync it enters): that one is replaced by the reference's field of the same name.
-    others = {
-        id(value): name
-        for name in FIELD_SIGNATURES
-        for value in (*peeled[name][0], peeled[name][1])
-    }
+    # A layer that holds another field (accumulate's step, the no_sync it enters) is re-pointed
+    # by the record itself to the reference's field of that name when the reference is built.
     for name in FIELD_SIGNATURES:
         kept = [layer for layer in peeled[name][0] if in_reference(layer)]
         if every is not None:
@@ -67,8 +62,6 @@ def undistributed(strategy: StrategyLike, *, every: int | None = None) -> Strate
                 for layer in kept
             ]
         changes[name] = rebased(kept, getattr(plain, name))
-    for name, value in list(changes.items()):
-        changes[name] = _relinked(value, others, changes)
     if _norms_in_float32(strategy):
         changes["wrap"] = NormsInFloat32(changes["wrap"])
     return attrs.evolve(
@@ -110,20 +103,6 @@ class NormsInFloat32:
             if isinstance(norm, torch.nn.modules.batchnorm._BatchNorm):  # noqa: SLF001
                 norm.register_forward_pre_hook(_inputs_in_float32)
         return wrapped
-
-
-def _relinked(value: Any, others: dict[int, str], changes: dict[str, Any]) -> Any:
-    """Return ``value`` with every layer's reference to an original field replaced."""
-    layers, base = peel(value)
-    relinked = []
-    for layer in layers:
-        swaps = {
-            attribute.name: changes[others[id(held)]]
-            for attribute in attrs.fields(type(layer))
-            if attribute.name != "inner" and id(held := getattr(layer, attribute.name)) in others
-        }
-        relinked.append(attrs.evolve(layer, **swaps) if swaps else layer)
-    return rebased(relinked, base)
 
 
 def buffers_rule(strategy: StrategyLike, contract: Contract) -> Buffers:

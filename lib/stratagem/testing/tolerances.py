@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from stratagem.combinators._base import applied, peel, rebased
 from stratagem.combinators.precision import (
     PrecisionSetup,
     PrecisionStep,
@@ -35,8 +34,9 @@ from stratagem.combinators.precision import (
     ScaledBackward,
     ScaledUpdate,
 )
+from stratagem.layers import peel, rebased
 from stratagem.strategies.fsdp_units import WrapFSDP
-from stratagem.strategy import FIELD_SIGNATURES, Strategy, StrategyLike
+from stratagem.strategy import FIELD_SIGNATURES, Strategy, StrategyLike, applied
 
 __all__ = ["FLOAT32", "compute_dtype", "law_tolerances", "mixed_precision", "without_precision"]
 

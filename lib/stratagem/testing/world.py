@@ -50,9 +50,9 @@ from stratagem._processes import (
     send_error,
     stop,
 )
-from stratagem.combinators._base import peel, rebased
 from stratagem.env import Context, Env
 from stratagem.errors import LaunchError, RankError, UsageError
+from stratagem.layers import peel, rebased
 from stratagem.strategy import StrategyLike
 from stratagem.validators import is_int, is_number, require
 

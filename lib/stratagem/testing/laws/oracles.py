@@ -28,11 +28,10 @@ from typing import Any
 
 import torch
 
-from stratagem.combinators._base import applied
 from stratagem.combinators.accumulation import AccumulationState
 from stratagem.combinators.clipping import ClipUpdate
 from stratagem.errors import UsageError
-from stratagem.strategy import StrategyLike
+from stratagem.strategy import StrategyLike, applied
 from stratagem.testing.contract import Contract
 from stratagem.testing.laws._core import (
     LawViolation,

@@ -27,11 +27,11 @@ import attrs
 import torch
 
 from stratagem.checkpoint import unwrap
-from stratagem.combinators._base import peel
 from stratagem.combinators.accumulation import AccumulationState
 from stratagem.env import Env
 from stratagem.errors import UsageError, describe
 from stratagem.fields import BackwardInStep
+from stratagem.layers import peel
 from stratagem.optimizer_hooks import OptimizerHook
 from stratagem.strategy import StrategyLike
 from stratagem.testing.contract import Contract
