@@ -38,8 +38,9 @@ def install(session: nox.Session, *extra: str) -> None:
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    # demo: the CLI tests train on scikit-learn's digits; ray: the Ray launch field's tests
-    install(session, "testing", "demo", "ray")
+    # demo: the CLI tests train on scikit-learn's digits; ray: the Ray launch field's tests;
+    # float8: with_float8's (torchao, emulated on the CPU)
+    install(session, "testing", "demo", "ray", "float8")
     # The reference safetensors reader and writer, which stratagem's own are tested against.
     session.install("safetensors", *CONSTRAINTS)
     # The 20 slowest tests close every run; a later --durations=N among the posargs wins.

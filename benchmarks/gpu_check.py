@@ -127,6 +127,50 @@ def loss_scale_skip(device: str) -> str:
         strategy.teardown(ctx)
 
 
+def float8(device: str) -> str:
+    """with_float8: native float8 matmuls on a GPU of capability 8.9+, emulated elsewhere.
+
+    The native run must train as torchao's emulation of it does (the same float8 rounding,
+    other accumulation order), and pass the kit's laws with the margins derived from float8.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:
+        return "skipped: torchao is not installed (pip install 'stratagem[float8]')"
+    native = device == "cuda" and torch.cuda.get_device_capability() >= (8, 9)
+    if device == "cuda" and not native:
+        return "skipped: float8 matmuls need compute capability 8.9 or more"
+    losses = {}
+    for emulate in (True, False) if native else (True,):
+        strategy = sg.with_float8(sg.single_device(device), emulate=emulate)
+        ctx = strategy.setup(sg.Env())
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256)
+        )
+        model = strategy.wrap(model, ctx)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            batch = torch.randn(64, 256, generator=generator)
+            loss = strategy.step(model, batch, ctx, forward=lambda m, b: m(b).pow(2).mean())
+            strategy.backward(loss, model, ctx)
+            strategy.update(optimizer, model, ctx)
+        losses[emulate] = float(loss)
+    if native and abs(losses[False] - losses[True]) > 0.05 * abs(losses[True]):
+        raise AssertionError(f"native float8 loss {losses[False]} vs emulated {losses[True]}")
+    from stratagem.testing import check_all
+
+    module = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
+    batch = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    strategy = sg.with_float8(sg.single_device(device))
+    report = check_all(strategy, world_size=1, module=module, batch=batch)
+    laws = f"{len(report.passed)} laws passed, {len(report.skipped)} skipped"
+    mode = "native vs emulated" if native else "emulated"
+    shown = ", ".join(f"{v:.4f}" for v in losses.values())
+    return f"{laws}; {mode}: loss after 5 steps {shown}"
+
+
 def compiled(device: str) -> str:
     return _laws(sg.compiled(sg.single_device(device)), world_size=1)
 
@@ -291,6 +335,7 @@ BASE: tuple[Case, ...] = (
     precision("16-mixed"),
     loss_scale_skip,
     compiled,
+    float8,
     round_trip,
     step_ratio,
 )

@@ -36,11 +36,14 @@ def table_rows(stdout: str) -> list[list[str]]:
 
 @pytest.mark.slow
 def test_its_cases_run_on_the_cpu_and_print_one_table():
-    done = gpu_check("--device", "cpu", "--only", "single", "round_trip", "loss_scale_skip")
+    done = gpu_check(
+        "--device", "cpu", "--only", "single", "round_trip", "float8", "loss_scale_skip"
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     rows = table_rows(done.stdout)
     # in the script's order, not the command line's
-    assert [row[0] for row in rows] == ["single", "loss_scale_skip", "round_trip"]
+    assert [row[0] for row in rows] == ["single", "loss_scale_skip", "float8", "round_trip"]
+    assert "laws passed" in rows[2][3] and "emulated" in rows[2][3], rows[2]
     assert all(row[1] == "ok" for row in rows)
 
 

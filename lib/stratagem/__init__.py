@@ -24,6 +24,8 @@ if _typing.TYPE_CHECKING:
     )
     from stratagem.combinators.clipping import with_clipping as with_clipping
     from stratagem.combinators.compiled import compiled as compiled
+    from stratagem.combinators.float8 import float8_linears as float8_linears
+    from stratagem.combinators.float8 import with_float8 as with_float8
     from stratagem.combinators.precision import with_precision as with_precision
     from stratagem.combinators.tensor_parallel import tensor_parallel as tensor_parallel
     from stratagem.combinators.tracing import ChromeTraceSink as ChromeTraceSink
@@ -117,6 +119,8 @@ _WHERE: dict[str, str] = {
     "compiled": "stratagem.combinators.compiled",
     "traced": "stratagem.combinators.tracing",
     "with_clipping": "stratagem.combinators.clipping",
+    "with_float8": "stratagem.combinators.float8",
+    "float8_linears": "stratagem.combinators.float8",
     "with_activation_checkpointing": "stratagem.combinators.checkpointing",
     "tensor_parallel": "stratagem.combinators.tensor_parallel",
     "with_precision": "stratagem.combinators.precision",

@@ -10,6 +10,7 @@ from stratagem.combinators.checkpointing import (
 )
 from stratagem.combinators.clipping import with_clipping as with_clipping
 from stratagem.combinators.compiled import compiled as compiled
+from stratagem.combinators.float8 import with_float8 as with_float8
 from stratagem.combinators.precision import with_precision as with_precision
 from stratagem.combinators.tensor_parallel import tensor_parallel as tensor_parallel
 from stratagem.combinators.tracing import JsonLinesSink as JsonLinesSink
@@ -31,5 +32,6 @@ __all__ = [
     "traced",
     "with_activation_checkpointing",
     "with_clipping",
+    "with_float8",
     "with_precision",
 ]

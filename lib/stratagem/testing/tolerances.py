@@ -1,7 +1,8 @@
 """The tolerance each law needs, derived from the precision a stack computes in.
 
-A stack says which precision it applied (``with_precision``'s setup layer, or
-the ``mp_policy`` of an ``fsdp()`` wrap), so a user checking
+A stack says which precision it applied (``with_precision``'s setup layer, a
+layer whose class declares ``compute_dtype`` as ``with_float8``'s does, or the
+``mp_policy`` of an ``fsdp()`` wrap), so a user checking
 ``with_precision(ddp(), "bf16-mixed")`` writes no `Contract` for it. Each law
 compares something different, and needs its own margin:
 
@@ -44,7 +45,6 @@ FLOAT32: tuple[float, float] = (1e-4, 1e-5)
 """``(rtol, atol)`` of the training laws in float32: sums in another order, over a few steps."""
 
 _WRAP_FLOAT32: tuple[float, float] = (0.0, 1e-5)
-_LOW = (torch.bfloat16, torch.float16)
 _PRECISION_LAYERS = (PrecisionSetup, PrecisionWrap, PrecisionStep, ScaledBackward, ScaledUpdate)
 
 # Multiples of the compute dtype's epsilon, (rtol, atol), measured on the built-ins with
@@ -66,6 +66,17 @@ def _applied_precision(strategy: StrategyLike) -> PrecisionSetup | None:
     return found if isinstance(found, PrecisionSetup) else None
 
 
+def _declared(strategy: StrategyLike) -> torch.dtype | None:
+    """Return the dtype a layer of ``strategy`` declares (class attribute ``compute_dtype``)."""
+    for name in FIELD_SIGNATURES:
+        layers, _ = peel(getattr(strategy, name))
+        for layer in layers:
+            dtype = getattr(type(layer), "compute_dtype", None)
+            if isinstance(dtype, torch.dtype):
+                return dtype
+    return None
+
+
 def compute_dtype(strategy: StrategyLike) -> torch.dtype:
     """Return the dtype ``strategy`` computes in: its precision's, fsdp's ``param_dtype``, float32.
 
@@ -79,6 +90,9 @@ def compute_dtype(strategy: StrategyLike) -> torch.dtype:
     precision = _applied_precision(strategy)
     if precision is not None:
         return precision.dtype
+    declared = _declared(strategy)
+    if declared is not None:
+        return declared
     fsdp = applied(strategy, WrapFSDP)
     policy = getattr(fsdp, "mp_policy", None)
     param_dtype = getattr(policy, "param_dtype", None)
@@ -103,7 +117,7 @@ def law_tolerances(strategy: StrategyLike, law: str) -> tuple[float, float]:
     """
     dtype = compute_dtype(strategy)
     kind = "reference" if law in _REFERENCE_LAWS else law
-    if dtype not in _LOW:
+    if torch.finfo(dtype).eps <= torch.finfo(torch.float32).eps:
         return _WRAP_FLOAT32 if kind == "wrap-preserves" else FLOAT32
     eps = float(torch.finfo(dtype).eps)
     rtol, atol = _EPS_MULTIPLES.get((kind, mixed_precision(strategy)), (4.0, 4.0))
@@ -119,6 +133,10 @@ def without_precision(strategy: StrategyLike) -> Strategy:
     fields: dict[str, Any] = {}
     for name in FIELD_SIGNATURES:
         layers, base = peel(getattr(strategy, name))
-        kept = [layer for layer in layers if not isinstance(layer, _PRECISION_LAYERS)]
+        kept = [
+            layer
+            for layer in layers
+            if not (isinstance(layer, _PRECISION_LAYERS) or hasattr(type(layer), "compute_dtype"))
+        ]
         fields[name] = rebased(kept, base)
     return Strategy(name=f"{getattr(strategy, 'name', 'strategy')} in float32", **fields)
