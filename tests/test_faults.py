@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import stratagem as sg
+from helpers import train_a_little
 
 pytestmark = pytest.mark.slow
 
@@ -132,14 +133,7 @@ def count_open() -> dict[str, int]:
 def reduce_and_train(strategy, ctx):
     """A reduce, then a DDP model trained a little and freed before the group is destroyed."""
     reduced = strategy.reduce(torch.ones(2) * ctx.rank, "sum", ctx).tolist()
-    torch.manual_seed(0)
-    model = strategy.wrap(torch.nn.Linear(4, 2), ctx)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(3):
-        loss = strategy.step(model, torch.randn(8, 4), ctx).pow(2).mean()
-        strategy.backward(loss, model, ctx)
-        strategy.update(optimizer, model, ctx)
-    return reduced, float(sg.unwrap(model).weight.detach().sum())
+    return reduced, train_a_little(strategy, ctx)
 
 
 def test_fifteen_launches_neither_hang_nor_leak():

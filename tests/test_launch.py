@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import stratagem as sg
+from helpers import train_a_little
 
 pytestmark = pytest.mark.slow
 
@@ -69,17 +70,6 @@ def killed_mid_collective(strategy, ctx):
         os.kill(os.getpid(), signal.SIGKILL)
     strategy.reduce(torch.ones(1), "sum", ctx)
     return "unreachable"
-
-
-def train_a_little(strategy, ctx):
-    torch.manual_seed(0)
-    model = strategy.wrap(torch.nn.Linear(4, 2), ctx)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(3):
-        loss = strategy.step(model, torch.randn(8, 4), ctx).pow(2).mean()
-        strategy.backward(loss, model, ctx)
-        strategy.update(optimizer, model, ctx)
-    return float(sg.unwrap(model).weight.detach().sum())
 
 
 def test_results_come_back_in_rank_order(no_leftovers):

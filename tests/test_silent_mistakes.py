@@ -146,46 +146,35 @@ def ddp_world() -> Iterator[tuple[sg.Strategy, sg.Context]]:
     strategy.teardown(ctx)
 
 
-def test_ddp_step_refuses_the_module_from_before_wrap(ddp_world) -> None:
-    strategy, ctx = ddp_world
-    model = torch.nn.Linear(3, 2)
-    wrapped = strategy.wrap(model, ctx)
-    with pytest.raises(sg.UsageError) as caught:
-        strategy.step(model, torch.ones(4, 3), ctx, forward=loss_of)
-    assert str(caught.value) == UNWRAPPED_UNDER_DDP.format(function="step", module="Linear")
-    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
-    loss = strategy.step(wrapped, torch.ones(4, 3), ctx, forward=loss_of)
-    strategy.backward(loss, wrapped, ctx)
-    with pytest.raises(sg.UsageError, match=r"^update: 'module' is the Linear from before wrap"):
-        strategy.update(optimizer, model, ctx)
-    strategy.update(optimizer, wrapped, ctx)
-    with torch.no_grad():  # evaluation through the inner module synchronises nothing: allowed
-        strategy.step(model, torch.ones(4, 3), ctx, forward=loss_of)
-
-
 @pytest.mark.parametrize(
     "combine",
     [
+        lambda strategy: strategy,
         lambda strategy: sg.with_clipping(strategy, max_norm=1.0),
         lambda strategy: sg.accumulate(strategy, 1),
         lambda strategy: sg.with_precision(strategy, "bf16-mixed"),
     ],
-    ids=["clipped", "accumulated", "bf16-mixed"],
+    ids=["ddp", "clipped", "accumulated", "bf16-mixed"],
 )
-def test_a_combinator_over_ddp_refuses_the_module_from_before_wrap_in_update(combine) -> None:
+def test_ddp_refuses_the_module_from_before_wrap_in_step_and_update(combine) -> None:
     # Clipping over the plain update used to clip and step itself without update's checks of
     # the module: the module from before wrap was stepped, its gradients never averaged.
     strategy = combine(sg.ddp(device="cpu"))
-    ctx = strategy.setup(sg.Env())
+    ctx = strategy.setup(sg.Env())  # a world of one in this process: a real gloo group
     try:
         model = torch.nn.Linear(3, 2)
         wrapped = strategy.wrap(model, ctx)
+        with pytest.raises(sg.UsageError) as caught:
+            strategy.step(model, torch.ones(4, 3), ctx, forward=loss_of)
+        assert str(caught.value) == UNWRAPPED_UNDER_DDP.format(function="step", module="Linear")
         optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
         loss = strategy.step(wrapped, torch.ones(4, 3), ctx, forward=loss_of)
         strategy.backward(loss, wrapped, ctx)
         with pytest.raises(sg.UsageError, match=r"^update: 'module' is the Linear from before"):
             strategy.update(optimizer, model, ctx)
         strategy.update(optimizer, wrapped, ctx)
+        with torch.no_grad():  # evaluation through the inner module synchronises nothing
+            strategy.step(model, torch.ones(4, 3), ctx, forward=loss_of)
     finally:
         strategy.teardown(ctx)
 

@@ -180,10 +180,12 @@ def _cannot_come(
         key = _key("rank", other)
         if other == rank:
             continue
-        if left and store.check([_key("left", other)]):
-            gone.append(f"rank {other} {store.get(_key('left', other)).decode()}")
-            continue
         last = store.get(key).decode() if store.check([key]) else ""
+        if left and store.check([_key("left", other)]):
+            how = store.get(_key("left", other)).decode()
+            # Where it was when it left: its own error may reach the launcher after this one.
+            gone.append(f"rank {other} {how}" + (f", last in {last}" if last else ""))
+            continue
         match = _CALL.search(last)
         if match is None or match.group(1) == call:
             continue
