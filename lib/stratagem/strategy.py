@@ -129,14 +129,12 @@ class Strategy:
         # A layer that holds another field besides its inner one (accumulate's step holds the
         # no_sync it enters) holds this record's own, however the record was built: a field
         # substituted after the layer (traced, a user's no_sync) is the one it calls.
-        fields = {name: getattr(self, name) for name in _FIELD_NAMES}
+        fields = {name: getattr(self, name) for name in FIELD_SIGNATURES}
         for name, value in fields.items():
             current = repointed(value, fields)
             if current is not value:
                 object.__setattr__(self, name, current)  # frozen: this is construction
 
-
-_FIELD_NAMES = tuple(field.name for field in attrs.fields(Strategy) if field.name != "name")
 
 FIELD_SIGNATURES: dict[str, _Accepts] = {
     field.name: cast(_Accepts, field.validator)

@@ -24,7 +24,6 @@ from stratagem.trees import map_tensors
 from stratagem.validators import is_number, require
 
 __all__ = [
-    "HELD_PAIR",
     "OPTIMIZER_NOT_FOR_MODULE",
     "STEP_WITHOUT_FORWARD",
     "UNWRAPPED_UNDER_DDP",
@@ -117,9 +116,9 @@ def _dead() -> None:
     return None
 
 
-# Weak references of the last (optimizer, module) pair found to be fine: fields that run every
-# step test it inline (two dereferences) before calling check_optimizer_holds.
-HELD_PAIR: list[Any] = [_dead, _dead]
+# Weak references of the last (optimizer, module) pair found to be fine: update tests it inline
+# (two dereferences) before calling check_optimizer_holds, which tests it first too.
+_HELD_PAIR: list[Any] = [_dead, _dead]
 
 
 def check_optimizer_holds(optimizer: Any, module: object, function: str) -> None:
@@ -136,7 +135,7 @@ def check_optimizer_holds(optimizer: Any, module: object, function: str) -> None
     """
     if isinstance(optimizer, OptimizerHook):  # a combinator's view, made anew for every update
         optimizer = root_optimizer(optimizer)
-    last_optimizer, last_module = HELD_PAIR
+    last_optimizer, last_module = _HELD_PAIR
     if last_optimizer() is optimizer and last_module() is module:
         return  # the usual loop: one pair, two dereferences
     try:
@@ -164,7 +163,7 @@ def check_optimizer_holds(optimizer: Any, module: object, function: str) -> None
 
 
 def _remember(optimizer: Any, module: object) -> None:
-    HELD_PAIR[:] = [weakref.ref(optimizer), weakref.ref(module)]
+    _HELD_PAIR[:] = [weakref.ref(optimizer), weakref.ref(module)]
 
 
 UNWRAPPED_UNDER_DDP = (
@@ -342,7 +341,7 @@ def update(optimizer: torch.optim.Optimizer, module: torch.nn.Module, ctx: Conte
         check_context(ctx, "update")
     if _INSIDE:  # a program that never wrapped with DDP pays a truth test only
         check_not_inside(module, "update")
-    last_optimizer, last_module = HELD_PAIR
+    last_optimizer, last_module = _HELD_PAIR
     if not (last_optimizer() is optimizer and last_module() is module):  # the usual loop's pair
         check_optimizer_holds(optimizer, module, "update")
     optimizer.step()

@@ -25,7 +25,6 @@ from stratagem.fields import (
 )
 from stratagem.strategy import Strategy, applied
 from stratagem.training import (
-    HELD_PAIR,
     backward,
     check_loss,
     check_module,
@@ -183,9 +182,7 @@ class AccumulationUpdate:
     ) -> None:
         # Every call, not only each window's last: a bad optimizer fails at once, not at N.
         check_optimizer(optimizer, "update")
-        last_optimizer, last_module = HELD_PAIR
-        if not (last_optimizer() is optimizer and last_module() is module):
-            check_optimizer_holds(optimizer, module, "update")
+        check_optimizer_holds(optimizer, module, "update")  # a lookup once the pair is known
         state = ctx.extras.get("accumulation") if ctx.__class__ is Context else None
         if state.__class__ is not AccumulationState:
             state = _state(ctx, "update")

@@ -33,12 +33,10 @@ from stratagem.fields import WrapFn
 from stratagem.strategy import Strategy, applied
 from stratagem.validators import require
 
-__all__ = ["FLOAT8_EPSILON", "Float8Recipe", "Float8Wrap", "float8_linears", "with_float8"]
+__all__ = ["Float8Recipe", "Float8Wrap", "float8_linears", "with_float8"]
 
 Float8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
 RECIPES: tuple[str, ...] = get_args(Float8Recipe)
-FLOAT8_EPSILON = float(torch.finfo(torch.float8_e4m3fn).eps)
-"""The relative rounding of the forward's float8 (e4m3), 0.125: what tolerances derive from."""
 
 MISSING = (
     "with_float8: torchao is not installed; install it with pip install 'stratagem[float8]' "
