@@ -63,6 +63,7 @@ class MeshNames:
     shard: str = attrs.field(default="shard", validator=_DIM_NAME)
     tp: str = attrs.field(default="tp", validator=_DIM_NAME)
     pp: str = attrs.field(default="pp", validator=_DIM_NAME)
+    cp: str = attrs.field(default="cp", validator=_DIM_NAME)
 
     def __attrs_post_init__(self) -> None:
         names = attrs.astuple(self)
@@ -76,6 +77,19 @@ class MeshNames:
     def model_parallel(self) -> tuple[str, str]:
         """The dimensions whose ranks hold parts of one model and take the same batches."""
         return (self.tp, self.pp)
+
+    @property
+    def same_batch(self) -> tuple[str, str, str]:
+        """The dimensions whose ranks take the same batches: the model-parallel ones and ``cp``.
+
+        A context-parallel group splits each batch's sequence, not the batches.
+        """
+        return (self.tp, self.pp, self.cp)
+
+    @property
+    def shard_cp(self) -> str:
+        """The name of ``shard`` and ``cp`` flattened into one: what FSDP shards over under CP."""
+        return f"{self.shard}_{self.cp}"
 
 
 def mesh_names(names: object) -> MeshNames:
@@ -331,12 +345,15 @@ class Context:
         """The sub-mesh of ``mesh``'s data-parallel dimensions, what FSDP shards over; or ``None``.
 
         The whole mesh when it has no model-parallel dimension (`MeshNames.model_parallel`).
+        Under `context_parallel` the ``shard`` and ``cp`` dimensions count as one
+        (`MeshNames.shard_cp`, built by the setup as ``extras["data_mesh"]``):
+        gradients average over every rank of a sequence too.
         A wrap of your own that shards (``fully_shard(..., mesh=ctx.data_mesh)``)
-        then composes with `tensor_parallel` as the built-in one does.
+        then composes with `tensor_parallel` and `context_parallel` as the built-in one does.
         """
         mesh = self.mesh
-        if mesh is None:
-            return None
+        if mesh is None or "data_mesh" in self.extras:  # a setup that built it (flattened)
+            return self.extras.get("data_mesh")
         names = mesh.mesh_dim_names or ()
         model = self.mesh_names.model_parallel
         data = tuple(n for n in names if n not in model)
@@ -348,13 +365,14 @@ class Context:
 
         Without a mesh, or on a mesh of data-parallel dimensions only, it is
         ``(rank, world_size)``. The ranks of one model-parallel group
-        (`MeshNames.model_parallel`) hold parts of one model and take the same batch:
+        (`MeshNames.model_parallel`) hold parts of one model and take the same batch,
+        as do those of a context-parallel group (`MeshNames.same_batch`):
         on a ``(shard=2, tp=2)`` mesh, ranks 0 and 1 are ``(0, 2)`` and ranks 2 and
         3 are ``(1, 2)``.
         """
         mesh = self.mesh
         names = getattr(mesh, "mesh_dim_names", None) or ()
-        model = self.mesh_names.model_parallel
+        model = self.mesh_names.same_batch
         if not set(names) & set(model):
             return self.rank, self.world_size
         coordinate = mesh.get_coordinate()

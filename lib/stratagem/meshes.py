@@ -20,7 +20,14 @@ from stratagem.validators import field, is_int, positive_int, require
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["JoinMesh", "ShardSize", "device_mesh", "mesh_dims", "mesh_shape"]
+__all__ = [
+    "JoinMesh",
+    "ShardSize",
+    "context_parallel_data_mesh",
+    "device_mesh",
+    "mesh_dims",
+    "mesh_shape",
+]
 
 DEFAULT_NAMES = MeshNames()
 
@@ -42,15 +49,18 @@ def mesh_dims(
     tensor_parallel: int = 1,
     replicate: int | None = None,
     names: MeshNames = DEFAULT_NAMES,
+    context_parallel: int = 1,
 ) -> tuple[tuple[str, int], ...]:
-    """Return the named dimensions of the mesh: data-parallel ones, then ``("tp", n)`` if any.
+    """Return the named dimensions of the mesh: data-parallel ones, ``("cp", n)``, ``("tp", n)``.
 
     The dimensions are called as ``names`` says (`MeshNames`, by role).
 
     The tensor-parallel groups are ``tensor_parallel`` consecutive ranks (the
-    fastest links); the world over them is the data-parallel world, which
-    ``shard_size`` splits as for ``fsdp()``; ``replicate``, if given, is the
-    number of shard groups this must give (`hsdp`'s check of its arguments).
+    fastest links), the context-parallel groups the ``context_parallel``
+    next-fastest (torchtitan's order); the world over them is the
+    data-parallel world, which ``shard_size`` splits as for ``fsdp()``;
+    ``replicate``, if given, is the number of shard groups this must give
+    (`hsdp`'s check of its arguments).
 
     Raises:
         UsageError: the groups do not divide the world evenly.
@@ -61,20 +71,28 @@ def mesh_dims(
     """
     require(_is_shard_size(shard_size), "'shard_size'", _SHARD_SIZES, shard_size)
     require(is_int(tensor_parallel, 1), "'tensor_parallel'", "a positive int", tensor_parallel)
-    world = env.world_size
-    if world % tensor_parallel:
-        raise UsageError(
-            f"tensor_parallel: size={tensor_parallel} does not divide the world of {world} "
-            f"ranks into equal tensor-parallel groups; use one of "
-            f"{[d for d in range(1, world + 1) if world % d == 0]}."
-        )
-    data = world // tensor_parallel
-    by_name = {"world": data, "node": max(1, env.local_world_size // tensor_parallel)}
+    require(is_int(context_parallel, 1), "'context_parallel'", "a positive int", context_parallel)
+    world = data = env.world_size
+    for what, size in (("tensor", tensor_parallel), ("context", context_parallel)):
+        if data % size:
+            where = (
+                f"the world of {data} ranks"
+                if data == world
+                else (f"the {data} ranks that tensor_parallel={tensor_parallel} leaves")
+            )
+            raise UsageError(
+                f"{what}_parallel: size={size} does not divide {where} into equal "
+                f"{what}-parallel groups; use one of "
+                f"{[d for d in range(1, data + 1) if data % d == 0]}."
+            )
+        data //= size
+    model = tensor_parallel * context_parallel
+    by_name = {"world": data, "node": max(1, env.local_world_size // model)}
     size = shard_size if isinstance(shard_size, int) else by_name[shard_size]
     if data % size:
         divisors = [d for d in range(1, data + 1) if data % d == 0]
         what = f"{size} ranks per node" if shard_size == "node" else f"{size} ranks"
-        over = f"{world} ranks" if tensor_parallel == 1 else f"{data} data-parallel ranks"
+        over = f"{world} ranks" if model == 1 else f"{data} data-parallel ranks"
         raise UsageError(
             f"fsdp: shard_size={shard_size!r} ({what}) does not divide the world of {over} "
             f"into equal shard groups; use one of {divisors}, or shard_size='world'."
@@ -89,7 +107,8 @@ def mesh_dims(
         if size == data
         else ((names.replicate, data // size), (names.shard, size))
     )
-    return dims + (((names.tp, tensor_parallel),) if tensor_parallel > 1 else ())
+    parallel = ((names.cp, context_parallel), (names.tp, tensor_parallel))
+    return dims + tuple((name, size) for name, size in parallel if size > 1)
 
 
 def mesh_shape(env: Env, shard_size: ShardSize = "world") -> tuple[int, ...]:
@@ -110,6 +129,7 @@ def device_mesh(
     shard_size: ShardSize = "world",
     tensor_parallel: int = 1,
     names: MeshNames = DEFAULT_NAMES,
+    context_parallel: int = 1,
 ) -> DeviceMesh:
     """Build the device mesh of a joined world from its `mesh_dims`.
 
@@ -118,9 +138,27 @@ def device_mesh(
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    dims = mesh_dims(ctx.env, shard_size, tensor_parallel, names=names)
+    dims = mesh_dims(ctx.env, shard_size, tensor_parallel, names=names,
+                     context_parallel=context_parallel)  # fmt: skip
     return init_device_mesh(
         ctx.device.type, tuple(n for _, n in dims), mesh_dim_names=tuple(d for d, _ in dims)
+    )
+
+
+def context_parallel_data_mesh(mesh: DeviceMesh, names: MeshNames) -> DeviceMesh:
+    """Return the mesh FSDP shards over under context parallelism: ``shard`` and ``cp`` as one.
+
+    ``(replicate, shard_cp)`` for hybrid sharding, else ``(shard_cp,)``
+    (`MeshNames.shard_cp`): the gradients of a sequence's ranks average too.
+    """
+    # torch has no public flatten yet; torchtitan flattens its dp_shard_cp the same way.
+    dims = mesh.mesh_dim_names or ()
+    if names.replicate not in dims:
+        return mesh[(names.shard, names.cp)]._flatten(names.shard_cp)  # noqa: SLF001
+    replicas = mesh.size(dims.index(names.replicate))
+    every = mesh[(names.replicate, names.shard, names.cp)]._flatten()  # noqa: SLF001
+    return every._unflatten(  # noqa: SLF001
+        0, (replicas, every.size() // replicas), (names.replicate, names.shard_cp)
     )
 
 
@@ -128,9 +166,10 @@ def device_mesh(
 class JoinMesh:
     """Setup field: run ``join`` (join the process group), then add ``ctx.extras["mesh"]``.
 
-    The mesh's dimensions are `mesh_dims` of ``shard_size`` and
-    ``tensor_parallel``, checked against the world before joining, and called
-    as ``names`` says (``ctx.extras["mesh_names"]``, read as ``ctx.mesh_names``).
+    The mesh's dimensions are `mesh_dims` of ``shard_size``,
+    ``context_parallel`` and ``tensor_parallel``, checked against the world
+    before joining, and called as ``names`` says (``ctx.extras["mesh_names"]``,
+    read as ``ctx.mesh_names``).
     """
 
     join: SetupFn = attrs.field(factory=JoinProcessGroup)
@@ -139,13 +178,18 @@ class JoinMesh:
     replicate: int | None = attrs.field(
         default=None, validator=positive_int("hsdp({name}=...)", optional="None")
     )
+    context_parallel: int = attrs.field(default=1, validator=positive_int("JoinMesh({name}=...)"))
 
     names: MeshNames = attrs.field(default=DEFAULT_NAMES, converter=mesh_names)
 
     def __call__(self, env: Env) -> Context:
         check_env(env, "setup")
         # before joining:
-        mesh_dims(env, self.shard_size, self.tensor_parallel, self.replicate, self.names)
+        cp = self.context_parallel
+        mesh_dims(env, self.shard_size, self.tensor_parallel, self.replicate, self.names, cp)
         ctx = self.join(env)
-        mesh = device_mesh(ctx, self.shard_size, self.tensor_parallel, self.names)
-        return ctx.with_extras(mesh=mesh, mesh_names=self.names)
+        mesh = device_mesh(ctx, self.shard_size, self.tensor_parallel, self.names, cp)
+        if cp == 1:
+            return ctx.with_extras(mesh=mesh, mesh_names=self.names)
+        data_mesh = context_parallel_data_mesh(mesh, self.names)
+        return ctx.with_extras(mesh=mesh, mesh_names=self.names, data_mesh=data_mesh)
