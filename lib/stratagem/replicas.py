@@ -31,6 +31,7 @@ __all__ = [
     "broadcast_tensors",
     "buckets",
     "check_same_layout",
+    "check_writable",
     "flatten",
     "unflatten",
 ]
@@ -78,6 +79,27 @@ def _layout(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str, bo
     return [(name, tuple(t.shape), str(t.dtype), t.requires_grad) for name, t in named]
 
 
+def check_writable(module: torch.nn.Module, where: str) -> None:
+    """Refuse a parameter or buffer whose elements share memory (an ``expand``-ed view).
+
+    Copying rank 0's values into such a tensor writes one element many times;
+    a collective writing into it (gloo does not check) corrupts the heap.
+
+    Raises:
+        UsageError: names the first such tensor and the fix (``.clone()``).
+    """
+    named = [*module.named_parameters(), *module.named_buffers()]
+    for name, tensor in named:
+        if any(
+            step == 0 and size > 1 for step, size in zip(tensor.stride(), tensor.shape, strict=True)
+        ):
+            raise UsageError(
+                f"{where}: {name!r} of shape {tuple(tensor.shape)} is an expanded view (stride "
+                f"{tensor.stride()}), whose elements share memory, so rank 0's values cannot be "
+                "copied into it; register a copy of it instead (.expand(...).clone())."
+            )
+
+
 def check_same_layout(module: torch.nn.Module, ctx: Context) -> None:
     """Fail on every rank, instead of hanging, if ranks hold differently shaped modules.
 
@@ -85,6 +107,7 @@ def check_same_layout(module: torch.nn.Module, ctx: Context) -> None:
         UsageError: some rank's parameters or buffers differ in name, shape,
             dtype or ``requires_grad`` from rank 0's (raised on every rank).
     """
+    check_writable(module, "wrap")  # every rank builds the same module, so every rank raises
     mine = _layout(module)
     reference = broadcast(mine, ctx, src=0)
     flag = torch.tensor(int(mine != reference), device=ctx.device)

@@ -181,7 +181,7 @@ def _attention_gathered(group: Any, queries: torch.Tensor, keys: torch.Tensor) -
 
 @contextlib.contextmanager
 def _split_buffers(
-    module: torch.nn.Module, buffers: Mapping[str, int], positions: torch.Tensor
+    module: torch.nn.Module, buffers: Mapping[str, int], positions: torch.Tensor, length: int
 ) -> Iterator[None]:
     """Hold this rank's share of each named buffer in ``module`` for the block's duration."""
     from stratagem.checkpoint.entries import unwrap
@@ -203,7 +203,15 @@ def _split_buffers(
             if whole is None:
                 raise UsageError(
                     f"step: context_parallel(buffers=...) names {name!r}, which is no buffer "
-                    f"of {type(root).__name__}; use a name model.named_buffers() gives."
+                    f"of the model (its buffers: {[n for n, _ in root.named_buffers()]}); use "
+                    "a name model.named_buffers() gives."
+                )
+            if whole.dim() <= dim or whole.size(dim) != length:
+                raise UsageError(
+                    f"step: context_parallel(buffers=...) splits buffer {name!r} of shape "
+                    f"{tuple(whole.shape)} along dim {dim}, which must hold the batch's "
+                    f"{length} sequence positions; name the buffer's sequence dimension, or "
+                    "check the strategy's seq_dim."
                 )
             kept.append((owner, leaf, whole))
             # setattr on a buffer's name replaces the buffer (persistent or not, as it was)
@@ -255,7 +263,7 @@ class ContextParallelStep:
                            for r in range(size)])  # fmt: skip
         share = map_tensors(lambda t: t.index_select(self.seq_dim, mine.to(t.device)), batch)
         with (
-            _split_buffers(module, dict(self.buffers), mine),
+            _split_buffers(module, dict(self.buffers), mine, length),
             _attention_gathered(group_mesh.get_group(), mine, every),
         ):
             output = self.inner(module, share, ctx, forward=forward)

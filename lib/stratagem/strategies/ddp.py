@@ -21,7 +21,7 @@ from stratagem.env import Context, check_context
 from stratagem.errors import UsageError
 from stratagem.launching import Spawn, spawned
 from stratagem.process_group import WorldOptions, is_simulated, join_world, leave_process_group
-from stratagem.replicas import MB, broadcast_tensors
+from stratagem.replicas import MB, broadcast_tensors, check_writable
 from stratagem.sharding import shard_loader
 from stratagem.strategies.single import single_device
 from stratagem.strategy import Strategy
@@ -77,6 +77,7 @@ class WrapDDP:
             raise UsageError(
                 "wrap: ctx has no process group; pass the Context that ddp().setup returned."
             )
+        check_writable(module, "wrap")  # DDP copies rank 0's parameters and buffers into them
         options = attrs.asdict(self.options)
         if not options.pop("broadcast_buffers"):  # the default (True) is not passed at all
             options["broadcast_buffers"] = False
