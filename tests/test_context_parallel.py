@@ -24,6 +24,7 @@ from kit_strategies import shard_by_global_rank
 from stratagem.combinators.context_parallel import ContextParallelStep, sequence_positions
 from stratagem.meshes import mesh_dims
 from stratagem.testing import LawViolation, check_all
+from stratagem.testing.tolerances import FLOAT32, law_tolerances
 from test_tensor_parallel import assert_equal_to_reference, whole_state
 
 STEPS, BATCH, SEQ = 3, 8, 8
@@ -121,6 +122,19 @@ def test_sequence_positions_cover_every_position_once_head_and_tail_together():
         assert sorted(p for positions in held for p in positions) == list(range(16))
     assert sequence_positions(16, 1, 4, load_balance=True).tolist() == [2, 3, 12, 13]
     assert sequence_positions(16, 1, 4, load_balance=False).tolist() == [4, 5, 6, 7]
+
+
+def test_combinators_apply_on_either_side_and_the_kit_widens_low_precision_margins_for_cp():
+    base = sg.fsdp(device="cpu")
+    inside = sg.with_precision(sg.context_parallel(base), "bf16-mixed")
+    outside = sg.context_parallel(sg.with_precision(base, "bf16-mixed"))
+    assert inside.setup == outside.setup  # the mesh under precision's setup layer gains "cp"
+    assert outside.setup.inner == attrs.evolve(base.setup, context_parallel=2)
+    eps = torch.finfo(torch.bfloat16).eps
+    assert law_tolerances(sg.with_precision(base, "bf16-mixed"), "ranks-in-sync") == (eps, eps)
+    assert law_tolerances(inside, "ranks-in-sync") == law_tolerances(outside, "accumulation")
+    assert law_tolerances(inside, "data-parallel-step") == (4 * eps, 4 * eps)
+    assert law_tolerances(sg.context_parallel(base), "data-parallel-step") == FLOAT32
 
 
 # ------------------------------------------------------------------------- training, by key
@@ -293,12 +307,31 @@ def test_planted_context_parallel_bugs_are_caught():
     module, data = make_block(), batch(16)
     unaveraged = attrs.evolve(strategy, name="grads-without-cp", wrap=shard_without_cp)
     with pytest.raises(LawViolation, match=r"ranks-in-sync|data-parallel-step"):
-        check_all(unaveraged, world_size=4, module=module, batch=data)
+        check_all(unaveraged, world_size=2, module=module, batch=data)
     local = attrs.evolve(
         strategy, name="local-attention", step=LocalAttentionStep(strategy.step.inner)
     )
     with pytest.raises(LawViolation, match=r"wrap-preserves"):
-        check_all(local, world_size=4, module=module, batch=data)
+        check_all(local, world_size=2, module=module, batch=data)
     dealt = attrs.evolve(strategy, name="deals-globally", shard=shard_by_global_rank)
     with pytest.raises(LawViolation, match=r"(?s)shard-partition.*one data-parallel rank"):
-        check_all(dealt, world_size=4, module=module, batch=data)
+        check_all(dealt, world_size=2, module=module, batch=data)
+
+
+def _stack(strategy):
+    mixed = sg.with_precision(strategy, "bf16-mixed")
+    return sg.with_clipping(sg.accumulate(mixed, 2), max_norm=1.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", ["cp innermost", "cp outermost"])
+def test_combinators_on_either_side_of_context_parallel_pass_every_law(order):
+    base = sg.fsdp(device="cpu")
+    if order == "cp innermost":
+        strategy = _stack(sg.context_parallel(base))
+    else:
+        strategy = sg.context_parallel(_stack(base))
+    report = check_all(strategy, world_size=2, module=make_block(), batch=batch(8))
+    assert {"wrap-preserves", "data-parallel-step", "accumulation", "ranks-in-sync"} <= set(
+        report.passed
+    )

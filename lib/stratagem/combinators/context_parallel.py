@@ -43,6 +43,7 @@ from stratagem.combinators._base import CombinatorError, check_strategy
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
 from stratagem.fields import ForwardFn, StepFn
+from stratagem.layers import peel, rebased
 from stratagem.meshes import JoinMesh
 from stratagem.strategy import Strategy, applied
 from stratagem.trees import map_tensors, tensors_in
@@ -89,13 +90,18 @@ def _waited(tensor: torch.Tensor) -> torch.Tensor:
 def _gather(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     """All-gather ``tensor`` over ``group`` along its sequence dimension (-2), with autograd.
 
-    The gradient is a reduce-scatter. ``torch.distributed.nn.functional.all_gather``'s
-    backward addresses a subgroup by global ranks on gloo, so it fails there.
+    The gradient is a reduce-scatter, a sum over the group's queries; it runs in
+    float32 whatever autocast computed (as FSDP's policy reduces in float32),
+    since a sum of bfloat16 gradients loses what one process keeps.
+    ``torch.distributed.nn.functional.all_gather``'s backward addresses a
+    subgroup by global ranks on gloo, so it fails there.
     """
     from torch.distributed._functional_collectives import all_gather_single_autograd
 
-    along = tensor.contiguous()
-    return _waited(all_gather_single_autograd(along, gather_dim=along.dim() - 2, group=group))
+    wide = torch.float32 if tensor.dtype in (torch.bfloat16, torch.float16) else tensor.dtype
+    along = tensor.to(wide).contiguous()
+    gathered = all_gather_single_autograd(along, gather_dim=along.dim() - 2, group=group)
+    return _waited(gathered).to(tensor.dtype)
 
 
 @attrs.define
@@ -239,6 +245,9 @@ class ContextParallelStep:
     buffers: tuple[tuple[str, int], ...] = ()
     load_balance: bool = True
     in_reference: ClassVar[bool] = False  # it distributes: the reference sees whole sequences
+    # Attention per share of the queries sums in another order than one process (the kit's
+    # low-precision margins widen for it).
+    reorders_model_sums: ClassVar[bool] = True
 
     def __call__(
         self,
@@ -329,7 +338,8 @@ def context_parallel(
     ranks, before ``"tp"``; ``ctx.data_parallel`` is then the world over
     ``"cp"``, and `Context.data_mesh`, what FSDP shards over, flattens
     ``shard`` and ``cp``) and ``step`` (`ContextParallelStep`). Composes with
-    `tensor_parallel` in either order, and with the other combinators on top.
+    `tensor_parallel` in either order, and with the other combinators in any
+    order (their setup layers stay around the mesh's).
 
     Args:
         strategy: an ``fsdp()`` or ``hsdp()`` strategy (possibly tensor
@@ -345,8 +355,8 @@ def context_parallel(
 
     Raises:
         UsageError: an argument is malformed.
-        CombinatorError: ``strategy``'s setup builds no mesh, or it is already
-            context parallel.
+        CombinatorError: ``strategy``'s setup (under the layers of other
+            combinators) builds no mesh, or it is already context parallel.
     """
     check_strategy(strategy, "context_parallel")
     require(is_int(size, 2), "context_parallel: 'size'", "an int of at least 2", size)
@@ -359,17 +369,18 @@ def context_parallel(
         require(isinstance(name, str) and bool(name), "context_parallel: a key of 'buffers'",
                 "a buffer's name", name)  # fmt: skip
         require(is_int(dim, 0), f"context_parallel: buffers[{name!r}]", "a non-negative int", dim)
-    setup = strategy.setup
     if applied(strategy, ContextParallelStep) is not None:
         raise CombinatorError(
             f"context_parallel: strategy {strategy.name!r} is already context parallel; "
             "apply it once."
         )
-    if not isinstance(setup, JoinMesh):
-        raise CombinatorError(NOT_ON_A_MESH.format(name=strategy.name, setup=describe(setup)))
+    # The mesh is built where the layers of other combinators (precision, clipping) end.
+    layers, joins = peel(strategy.setup)
+    if not isinstance(joins, JoinMesh):
+        raise CombinatorError(NOT_ON_A_MESH.format(name=strategy.name, setup=describe(joins)))
     return attrs.evolve(
         strategy,
         name=f"{strategy.name}+cp{size}",
-        setup=attrs.evolve(setup, context_parallel=size),
+        setup=rebased(layers, attrs.evolve(joins, context_parallel=size)),
         step=ContextParallelStep(strategy.step, seq_dim, tuple(named.items()), load_balance),
     )
