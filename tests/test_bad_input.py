@@ -71,6 +71,9 @@ class Row:
         return f"{self.function}: {self.bad}"
 
 
+_experts = sg.every_module_of(torch.nn.Linear)
+
+
 def _linear() -> torch.nn.Module:
     return torch.nn.Linear(3, 2)
 
@@ -332,6 +335,22 @@ ROWS: list[Row] = [
     Row("context_parallel", "over the world",
         lambda k: sg.context_parallel(sg.fsdp(device="cpu"), size=3).setup(sg.Env(world_size=4, local_world_size=4)), U,
         ("context_parallel: size=3 does not divide the world of 4 ranks", "use one of [1, 2, 4]")),
+    Row("expert_parallel", "on ddp", lambda k: sg.expert_parallel(sg.ddp(device="cpu"), experts=_experts), C,
+        ("'ddp' does not build a device mesh", "expert_parallel(sg.fsdp(), experts=")),
+    Row("expert_parallel", "on hsdp", lambda k: sg.expert_parallel(sg.hsdp(replicate=2, shard=2, device="cpu"), experts=_experts), C,
+        ("experts are not split yet beside hybrid sharding (hsdp)", "use expert_parallel(sg.fsdp(), experts=...)")),
+    Row("expert_parallel", "experts", lambda k: sg.expert_parallel(sg.fsdp(device="cpu"), experts="Experts"), U,
+        ("expert_parallel: 'experts' must be a function module -> bool", "got 'Experts', a str")),
+    Row("expert_parallel", "size=1", lambda k: sg.expert_parallel(sg.fsdp(device="cpu"), experts=_experts, size=1), U,
+        ("expert_parallel: 'size' must be an int of at least 2", "got 1, an int")),
+    Row("expert_parallel", "twice",
+        lambda k: sg.expert_parallel(sg.expert_parallel(sg.fsdp(device="cpu"), experts=_experts), experts=_experts), C,
+        ("'fsdp+ep2' is already expert parallel", "apply it once")),
+    Row("expert_parallel", "not a strategy", lambda k: sg.expert_parallel(None, experts=_experts), U,
+        ("expert_parallel: 'strategy' must be a Strategy", "got None")),
+    Row("expert_parallel", "over the shard group",
+        lambda k: sg.expert_parallel(sg.fsdp(device="cpu"), experts=_experts, size=3).setup(sg.Env(world_size=4, local_world_size=4)), U,
+        ("expert_parallel: size=3 does not divide the shard group of 4 ranks", "use one of [2, 4]")),
     Row("with_float8", "recipe", lambda k: sg.with_float8(k.strategy, recipe="fp4"), U,
         ("with_float8: 'recipe' must be one of 'tensorwise', 'rowwise'", "got 'fp4', a str")),
     Row("with_float8", "modules not callable", lambda k: sg.with_float8(k.strategy, modules=3), U,

@@ -25,6 +25,7 @@ if _typing.TYPE_CHECKING:
     from stratagem.combinators.clipping import with_clipping as with_clipping
     from stratagem.combinators.compiled import compiled as compiled
     from stratagem.combinators.context_parallel import context_parallel as context_parallel
+    from stratagem.combinators.expert_parallel import expert_parallel as expert_parallel
     from stratagem.combinators.float8 import float8_linears as float8_linears
     from stratagem.combinators.float8 import with_float8 as with_float8
     from stratagem.combinators.precision import with_precision as with_precision
@@ -125,6 +126,7 @@ _WHERE: dict[str, str] = {
     "with_activation_checkpointing": "stratagem.combinators.checkpointing",
     "tensor_parallel": "stratagem.combinators.tensor_parallel",
     "context_parallel": "stratagem.combinators.context_parallel",
+    "expert_parallel": "stratagem.combinators.expert_parallel",
     "with_precision": "stratagem.combinators.precision",
     "DeviceFallbackWarning": "stratagem.devices",
     "DeviceSpec": "stratagem.devices",

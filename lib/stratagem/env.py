@@ -64,6 +64,7 @@ class MeshNames:
     tp: str = attrs.field(default="tp", validator=_DIM_NAME)
     pp: str = attrs.field(default="pp", validator=_DIM_NAME)
     cp: str = attrs.field(default="cp", validator=_DIM_NAME)
+    ep: str = attrs.field(default="ep", validator=_DIM_NAME)
 
     def __attrs_post_init__(self) -> None:
         names = attrs.astuple(self)
@@ -90,6 +91,15 @@ class MeshNames:
     def shard_cp(self) -> str:
         """The name of ``shard`` and ``cp`` flattened into one: what FSDP shards over under CP."""
         return f"{self.shard}_{self.cp}"
+
+    @property
+    def shard_ep(self) -> str:
+        """The name of ``shard`` and ``ep`` flattened into one: what FSDP shards over under EP.
+
+        The ranks of an expert-parallel group take different batches, as those
+        of a shard group do; only the experts are split over ``ep``.
+        """
+        return f"{self.shard}_{self.ep}"
 
 
 def mesh_names(names: object) -> MeshNames:

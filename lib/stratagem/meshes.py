@@ -50,6 +50,7 @@ def mesh_dims(
     replicate: int | None = None,
     names: MeshNames = DEFAULT_NAMES,
     context_parallel: int = 1,
+    expert_parallel: int = 1,
 ) -> tuple[tuple[str, int], ...]:
     """Return the named dimensions of the mesh: data-parallel ones, ``("cp", n)``, ``("tp", n)``.
 
@@ -60,10 +61,13 @@ def mesh_dims(
     next-fastest (torchtitan's order); the world over them is the
     data-parallel world, which ``shard_size`` splits as for ``fsdp()``;
     ``replicate``, if given, is the number of shard groups this must give
-    (`hsdp`'s check of its arguments).
+    (`hsdp`'s check of its arguments). ``expert_parallel`` splits each shard
+    group into ``("shard", n / ep)`` and ``("ep", ep)``: expert-parallel ranks
+    are data-parallel ranks (torchtitan borrows them from ``dp_shard``).
 
     Raises:
-        UsageError: the groups do not divide the world evenly.
+        UsageError: the groups do not divide the world evenly, or experts are
+            split beside hybrid sharding or context parallelism (not built).
 
     Example:
         >>> mesh_dims(Env(world_size=8, local_world_size=8), 2, tensor_parallel=2)
@@ -72,6 +76,7 @@ def mesh_dims(
     require(_is_shard_size(shard_size), "'shard_size'", _SHARD_SIZES, shard_size)
     require(is_int(tensor_parallel, 1), "'tensor_parallel'", "a positive int", tensor_parallel)
     require(is_int(context_parallel, 1), "'context_parallel'", "a positive int", context_parallel)
+    require(is_int(expert_parallel, 1), "'expert_parallel'", "a positive int", expert_parallel)
     world = data = env.world_size
     for what, size in (("tensor", tensor_parallel), ("context", context_parallel)):
         if data % size:
@@ -102,13 +107,35 @@ def mesh_dims(
             f"hsdp: replicate={replicate} x shard={size} is {replicate * size} ranks, but the "
             f"world has {data} data-parallel ranks; choose sizes whose product is {data}."
         )
-    dims = (
+    dims: tuple[tuple[str, int], ...] = (
         ((names.shard, data),)
         if size == data
         else ((names.replicate, data // size), (names.shard, size))
     )
+    if expert_parallel > 1:
+        dims = _split_experts(dims, expert_parallel, context_parallel, names)
     parallel = ((names.cp, context_parallel), (names.tp, tensor_parallel))
     return dims + tuple((name, size) for name, size in parallel if size > 1)
+
+
+def _split_experts(
+    dims: tuple[tuple[str, int], ...], ep: int, cp: int, names: MeshNames
+) -> tuple[tuple[str, int], ...]:
+    """Split the shard dimension of ``dims`` into ``shard`` and ``ep`` (consecutive ranks)."""
+    (*replicated, (shard, size)) = dims
+    if replicated or cp > 1:
+        beside = "hybrid sharding (hsdp)" if replicated else "context_parallel"
+        raise UsageError(
+            f"expert_parallel: experts split beside {beside} are not built yet; use "
+            "expert_parallel(sg.fsdp(), experts=...)."
+        )
+    if size % ep:
+        raise UsageError(
+            f"expert_parallel: size={ep} does not divide the shard group of {size} ranks "
+            f"into equal expert-parallel groups; use one of "
+            f"{[d for d in range(2, size + 1) if size % d == 0]}."
+        )
+    return ((shard, size // ep), (names.ep, ep))
 
 
 def mesh_shape(env: Env, shard_size: ShardSize = "world") -> tuple[int, ...]:
@@ -130,6 +157,7 @@ def device_mesh(
     tensor_parallel: int = 1,
     names: MeshNames = DEFAULT_NAMES,
     context_parallel: int = 1,
+    expert_parallel: int = 1,
 ) -> DeviceMesh:
     """Build the device mesh of a joined world from its `mesh_dims`.
 
@@ -138,8 +166,9 @@ def device_mesh(
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    dims = mesh_dims(ctx.env, shard_size, tensor_parallel, names=names,
-                     context_parallel=context_parallel)  # fmt: skip
+    dims = mesh_dims(
+        ctx.env, shard_size, tensor_parallel, None, names, context_parallel, expert_parallel
+    )
     return init_device_mesh(
         ctx.device.type, tuple(n for _, n in dims), mesh_dim_names=tuple(d for d, _ in dims)
     )
@@ -179,17 +208,21 @@ class JoinMesh:
         default=None, validator=positive_int("hsdp({name}=...)", optional="None")
     )
     context_parallel: int = attrs.field(default=1, validator=positive_int("JoinMesh({name}=...)"))
+    expert_parallel: int = attrs.field(default=1, validator=positive_int("JoinMesh({name}=...)"))
 
     names: MeshNames = attrs.field(default=DEFAULT_NAMES, converter=mesh_names)
 
     def __call__(self, env: Env) -> Context:
         check_env(env, "setup")
         # before joining:
-        cp = self.context_parallel
-        mesh_dims(env, self.shard_size, self.tensor_parallel, self.replicate, self.names, cp)
+        cp, ep, names = self.context_parallel, self.expert_parallel, self.names
+        mesh_dims(env, self.shard_size, self.tensor_parallel, self.replicate, names, cp, ep)
         ctx = self.join(env)
-        mesh = device_mesh(ctx, self.shard_size, self.tensor_parallel, self.names, cp)
-        if cp == 1:
-            return ctx.with_extras(mesh=mesh, mesh_names=self.names)
-        data_mesh = context_parallel_data_mesh(mesh, self.names)
-        return ctx.with_extras(mesh=mesh, mesh_names=self.names, data_mesh=data_mesh)
+        mesh = device_mesh(ctx, self.shard_size, self.tensor_parallel, names, cp, ep)
+        if cp == 1 and ep == 1:
+            return ctx.with_extras(mesh=mesh, mesh_names=names)
+        if ep > 1:  # torch has no public flatten yet (as for context parallelism)
+            data_mesh = mesh[(names.shard, names.ep)]._flatten(names.shard_ep)  # noqa: SLF001
+        else:
+            data_mesh = context_parallel_data_mesh(mesh, names)
+        return ctx.with_extras(mesh=mesh, mesh_names=names, data_mesh=data_mesh)

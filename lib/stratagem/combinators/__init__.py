@@ -11,6 +11,7 @@ from stratagem.combinators.checkpointing import (
 from stratagem.combinators.clipping import with_clipping as with_clipping
 from stratagem.combinators.compiled import compiled as compiled
 from stratagem.combinators.context_parallel import context_parallel as context_parallel
+from stratagem.combinators.expert_parallel import expert_parallel as expert_parallel
 from stratagem.combinators.float8 import with_float8 as with_float8
 from stratagem.combinators.precision import with_precision as with_precision
 from stratagem.combinators.tensor_parallel import tensor_parallel as tensor_parallel
@@ -30,6 +31,7 @@ __all__ = [
     "checked",
     "compiled",
     "context_parallel",
+    "expert_parallel",
     "tensor_parallel",
     "traced",
     "with_activation_checkpointing",

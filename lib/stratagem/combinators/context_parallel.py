@@ -378,6 +378,11 @@ def context_parallel(
     layers, joins = peel(strategy.setup)
     if not isinstance(joins, JoinMesh):
         raise CombinatorError(NOT_ON_A_MESH.format(name=strategy.name, setup=describe(joins)))
+    if joins.expert_parallel > 1:
+        raise CombinatorError(
+            f"context_parallel: {strategy.name!r} is expert parallel, beside which sequences "
+            "are not split yet; use one of the two."
+        )
     return attrs.evolve(
         strategy,
         name=f"{strategy.name}+cp{size}",
