@@ -14,13 +14,23 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import torch
 
 from stratagem.errors import CombinatorError, UsageError, describe
+from stratagem.layers import peel, rebased
+from stratagem.meshes import JoinMesh
 from stratagem.optimizer_hooks import root_optimizer
-from stratagem.strategy import Strategy, not_a_strategy
+from stratagem.strategy import Strategy, applied, not_a_strategy
 
-__all__ = ["CombinatorError", "check_strategy", "gradients", "outermost_picks"]
+__all__ = [
+    "CombinatorError",
+    "check_strategy",
+    "gradients",
+    "mesh_under",
+    "outermost_picks",
+    "with_mesh",
+]
 
 
 def outermost_picks(
@@ -60,6 +70,40 @@ def check_strategy(strategy: object, combinator: str) -> Strategy:
     if not isinstance(strategy, Strategy):
         raise UsageError(not_a_strategy(strategy, combinator))
     return strategy
+
+
+def mesh_under(
+    strategy: Strategy, combinator: str, layer: type, not_on_a_mesh: str
+) -> tuple[list[Any], JoinMesh]:
+    """Return the setup layers of other combinators over ``strategy``'s `JoinMesh`, and it.
+
+    A combinator that adds a mesh dimension evolves the `JoinMesh` and rebuilds
+    the layers around it (`with_mesh`), so it applies on either side of the others.
+
+    Raises:
+        CombinatorError: ``layer`` (the combinator's) is already applied, or
+            the setup builds no mesh (``not_on_a_mesh``, formatted with the
+            strategy's ``name`` and its ``setup``).
+    """
+    if applied(strategy, layer) is not None:
+        raise CombinatorError(
+            f"{combinator}: strategy {strategy.name!r} is already "
+            f"{combinator.replace('_', ' ')}; apply it once."
+        )
+    layers, joins = peel(strategy.setup)
+    if not isinstance(joins, JoinMesh):
+        raise CombinatorError(not_on_a_mesh.format(name=strategy.name, setup=describe(joins)))
+    return layers, joins
+
+
+def with_mesh(
+    strategy: Strategy, under: tuple[list[Any], JoinMesh], suffix: str, mesh: dict[str, Any],
+    **fields: Any,
+) -> Strategy:  # fmt: skip
+    """Return ``strategy`` named ``+suffix``, its `JoinMesh` evolved by ``mesh``, ``fields`` set."""
+    layers, joins = under
+    setup = rebased(layers, attrs.evolve(joins, **mesh))
+    return attrs.evolve(strategy, name=f"{strategy.name}+{suffix}", setup=setup, **fields)
 
 
 def gradients(optimizer: Any) -> list[torch.Tensor]:

@@ -39,13 +39,11 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
-from stratagem.combinators._base import CombinatorError, check_strategy
+from stratagem.combinators._base import CombinatorError, check_strategy, mesh_under, with_mesh
 from stratagem.env import Context, check_context
-from stratagem.errors import UsageError, describe
+from stratagem.errors import UsageError
 from stratagem.fields import ForwardFn, StepFn
-from stratagem.layers import peel, rebased
-from stratagem.meshes import JoinMesh
-from stratagem.strategy import Strategy, applied
+from stratagem.strategy import Strategy
 from stratagem.trees import map_tensors, tensors_in
 from stratagem.validators import is_int, require
 
@@ -369,23 +367,11 @@ def context_parallel(
         require(isinstance(name, str) and bool(name), "context_parallel: a key of 'buffers'",
                 "a buffer's name", name)  # fmt: skip
         require(is_int(dim, 0), f"context_parallel: buffers[{name!r}]", "a non-negative int", dim)
-    if applied(strategy, ContextParallelStep) is not None:
-        raise CombinatorError(
-            f"context_parallel: strategy {strategy.name!r} is already context parallel; "
-            "apply it once."
-        )
-    # The mesh is built where the layers of other combinators (precision, clipping) end.
-    layers, joins = peel(strategy.setup)
-    if not isinstance(joins, JoinMesh):
-        raise CombinatorError(NOT_ON_A_MESH.format(name=strategy.name, setup=describe(joins)))
-    if joins.expert_parallel > 1:
+    under = mesh_under(strategy, "context_parallel", ContextParallelStep, NOT_ON_A_MESH)
+    if under[1].expert_parallel > 1:
         raise CombinatorError(
             f"context_parallel: {strategy.name!r} is expert parallel, beside which sequences "
             "are not split yet; use one of the two."
         )
-    return attrs.evolve(
-        strategy,
-        name=f"{strategy.name}+cp{size}",
-        setup=rebased(layers, attrs.evolve(joins, context_parallel=size)),
-        step=ContextParallelStep(strategy.step, seq_dim, tuple(named.items()), load_balance),
-    )
+    step = ContextParallelStep(strategy.step, seq_dim, tuple(named.items()), load_balance)
+    return with_mesh(strategy, under, f"cp{size}", {"context_parallel": size}, step=step)

@@ -36,15 +36,19 @@ import attrs
 import torch
 
 from stratagem.collectives import is_distributed
-from stratagem.combinators._base import CombinatorError, check_strategy
+from stratagem.combinators._base import (
+    CombinatorError,
+    check_strategy,
+    mesh_under,
+    outermost_picks,
+    with_mesh,
+)
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
 from stratagem.fields import WrapFn
-from stratagem.layers import peel, rebased
-from stratagem.meshes import JoinMesh
 from stratagem.precisions import precision_of
 from stratagem.replicas import broadcast_tensors, check_same_layout
-from stratagem.strategy import Strategy, applied
+from stratagem.strategy import Strategy
 from stratagem.validators import is_int, require
 
 __all__ = ["ExpertParallelWrap", "expert_parallel", "expert_slice"]
@@ -224,7 +228,7 @@ class ExpertParallelWrap:
                 f"wrap: ctx has no mesh with a {names.ep!r} dimension; pass the Context that "
                 "the expert_parallel strategy's setup returned."
             )
-        picked = [m for m in module.modules() if self.experts(m) is True]
+        picked = outermost_picks(module, self.experts, "expert_parallel's experts policy")
         if not picked:
             raise UsageError(
                 f"wrap: expert_parallel's experts policy {self.experts!r} picks no submodule of "
@@ -276,14 +280,8 @@ def expert_parallel(
     check_strategy(strategy, "expert_parallel")
     require(callable(experts), "expert_parallel: 'experts'", "a function module -> bool", experts)
     require(is_int(size, 2), "expert_parallel: 'size'", "an int of at least 2", size)
-    if applied(strategy, ExpertParallelWrap) is not None:
-        raise CombinatorError(
-            f"expert_parallel: strategy {strategy.name!r} is already expert parallel; "
-            "apply it once."
-        )
-    layers, joins = peel(strategy.setup)
-    if not isinstance(joins, JoinMesh):
-        raise CombinatorError(NOT_ON_A_MESH.format(name=strategy.name, setup=describe(joins)))
+    under = mesh_under(strategy, "expert_parallel", ExpertParallelWrap, NOT_ON_A_MESH)
+    joins = under[1]
     hybrid = joins.replicate is not None or joins.shard_size != "world"
     if hybrid or joins.context_parallel > 1:
         beside = "hybrid sharding (hsdp)" if hybrid else "context_parallel"
@@ -292,9 +290,5 @@ def expert_parallel(
             f"beside {beside}: use expert_parallel(sg.fsdp(), experts=...), with other "
             "combinators in any order."
         )
-    return attrs.evolve(
-        strategy,
-        name=f"{strategy.name}+ep{size}",
-        setup=rebased(layers, attrs.evolve(joins, expert_parallel=size)),
-        wrap=ExpertParallelWrap(strategy.wrap, experts),
-    )
+    wrap = ExpertParallelWrap(strategy.wrap, experts)
+    return with_mesh(strategy, under, f"ep{size}", {"expert_parallel": size}, wrap=wrap)
