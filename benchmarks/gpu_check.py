@@ -12,8 +12,10 @@ The cases, in order:
 
 - the laws (`stratagem.testing.check_all`) of ``single_device``, ``ddp``, ``fsdp``,
   ``dp``, ``allreduce_grads``, each precision (with a ``16-mixed`` loss-scale skip) and
-  ``compiled``; 2 ranks for the distributed ones: with two or more GPUs each rank takes its
-  own and talks NCCL, with one GPU both share it and talk gloo over CUDA tensors;
+  ``compiled``, and ``context_parallel`` on an attention block (expected to pass under NCCL;
+  gloo over CUDA tensors may lack the all-gather it needs, which the row then names); 2 ranks
+  for the distributed ones: with two or more GPUs each rank takes its own and talks NCCL,
+  with one GPU both share it and talk gloo over CUDA tensors;
 - a CUDA -> CPU -> CUDA checkpoint, and ``single_device``'s step against a hand loop;
 - worlds of every size the host allows (`benchmarks.gpu_worlds`: NCCL on ``cuda:LOCAL_RANK``,
   sizes 1 and the GPU count; on the CPU 2 gloo ranks) for ``ddp``, ``fsdp``, ``hsdp``,
@@ -66,12 +68,22 @@ def _wire(device: str) -> str:
     return f"2 ranks, {setup['backend']} on {setup['device']}"
 
 
-def _laws(strategy: sg.Strategy, world_size: int = 2) -> str:
+def _laws(strategy: sg.Strategy, world_size: int = 2, **given: Any) -> str:
     # Here, not at the top: spawned ranks import this module, and need no testing kit.
     from stratagem.testing import check_all
 
-    report = check_all(strategy, world_size=world_size)
+    report = check_all(strategy, world_size=world_size, **given)
     return f"{len(report.passed)} laws passed, {len(report.skipped)} skipped"
+
+
+def context_parallel(device: str) -> str:
+    """Each sequence split over 2 ranks, attention over the gathered keys and values."""
+    from benchmarks.mesh_step import Block
+
+    torch.manual_seed(0)
+    batch = torch.randn(8, 8, 32, generator=torch.Generator().manual_seed(0))
+    strategy = sg.context_parallel(sg.fsdp(**_ranks_setup(device)))
+    return f"{_laws(strategy, module=Block(32, head=4), batch=batch)}; {_wire(device)}"
 
 
 def single(device: str) -> str:
@@ -336,6 +348,7 @@ BASE: tuple[Case, ...] = (
     loss_scale_skip,
     compiled,
     float8,
+    context_parallel,
     round_trip,
     step_ratio,
 )

@@ -134,7 +134,8 @@ def test_combinators_apply_on_either_side_and_the_kit_widens_low_precision_margi
     assert law_tolerances(sg.with_precision(base, "bf16-mixed"), "ranks-in-sync") == (eps, eps)
     assert law_tolerances(inside, "ranks-in-sync") == law_tolerances(outside, "accumulation")
     assert law_tolerances(inside, "data-parallel-step") == (4 * eps, 4 * eps)
-    assert law_tolerances(sg.context_parallel(base), "data-parallel-step") == FLOAT32
+    assert law_tolerances(sg.context_parallel(base), "data-parallel-step") == (4e-4, 4e-5)
+    assert law_tolerances(base, "data-parallel-step") == FLOAT32
 
 
 # ------------------------------------------------------------------------- training, by key
