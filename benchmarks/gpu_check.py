@@ -16,6 +16,8 @@ The cases, in order:
   gloo over CUDA tensors may lack the all-gather it needs, which the row then names); 2 ranks
   for the distributed ones: with two or more GPUs each rank takes its own and talks NCCL,
   with one GPU both share it and talk gloo over CUDA tensors;
+- async tensor parallelism (`tensor_parallel(..., async_tp=True)` under `compiled`) against
+  plain TP on 2 GPUs: the same losses within 1e-3 (not run on fewer GPUs);
 - a CUDA -> CPU -> CUDA checkpoint, and ``single_device``'s step against a hand loop;
 - worlds of every size the host allows (`benchmarks.gpu_worlds`: NCCL on ``cuda:LOCAL_RANK``,
   sizes 1 and the GPU count; on the CPU 2 gloo ranks) for ``ddp``, ``fsdp``, ``hsdp``,
@@ -74,6 +76,50 @@ def _laws(strategy: sg.Strategy, world_size: int = 2, **given: Any) -> str:
 
     report = check_all(strategy, world_size=world_size, **given)
     return f"{len(report.passed)} laws passed, {len(report.skipped)} skipped"
+
+
+def _tp_losses(strategy: sg.Strategy, ctx: sg.Context) -> list[float]:
+    """Five steps of the mesh benchmark's blocks under ``strategy``, the losses."""
+    from benchmarks import mesh_step
+
+    config = mesh_step.Config()
+    model = strategy.wrap(mesh_step.stack(config), ctx)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(5):
+        shape = (config.batch, config.time, config.width)
+        batch = (torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
+        batch = (batch[0].to(ctx.device), batch[1].to(ctx.device))
+        loss = strategy.step(model, batch, ctx, forward=mesh_step.mse)
+        strategy.backward(loss, model, ctx)
+        strategy.update(optimizer, model, ctx)
+        losses.append(float(loss))
+    return losses
+
+
+def async_tp(device: str) -> str:
+    """Compiled FSDP x TP on 2 GPUs, async (micro-pipelined) against plain: the same losses.
+
+    Expected on 2 or more GPUs with NCCL: losses within 1e-3 of each other (inductor
+    reorders the sums). Needs 2 CUDA devices; on fewer the row says so and passes.
+    """
+    if device != "cuda" or torch.cuda.device_count() < 2:
+        return "not run: needs 2 CUDA devices (NCCL, symmetric memory)"
+    from benchmarks import mesh_step
+
+    plan = mesh_step.plan(mesh_step.Config())
+    runs = {}
+    for overlapped in (False, True):
+        base = sg.fsdp_spawn(device="auto", backend="nccl")
+        strategy = sg.compiled(sg.tensor_parallel(base, plan, size=2, async_tp=overlapped))
+        runs[overlapped] = sg.launch(_tp_losses, strategy, devices=2)[0]
+    worst = max(
+        abs(a - b) / max(abs(b), 1e-6) for a, b in zip(runs[True], runs[False], strict=True)
+    )
+    if worst > 1e-3:
+        raise AssertionError(f"async TP losses {runs[True]} differ from plain {runs[False]}")
+    return f"5 compiled steps, losses within {worst:.1e} of plain TP; 2 ranks, nccl"
 
 
 def context_parallel(device: str) -> str:
@@ -349,6 +395,7 @@ BASE: tuple[Case, ...] = (
     compiled,
     float8,
     context_parallel,
+    async_tp,
     round_trip,
     step_ratio,
 )

@@ -315,6 +315,8 @@ ROWS: list[Row] = [
     Row("tensor_parallel", "twice",
         lambda k: sg.tensor_parallel(sg.tensor_parallel(sg.fsdp(device="cpu"), _plan()), _plan()), C,
         ("'fsdp+tp2' is already tensor parallel", "apply it once")),
+    Row("tensor_parallel", "async_tp", lambda k: sg.tensor_parallel(sg.fsdp(device="cpu"), _plan(), async_tp="yes"), U,
+        ("tensor_parallel: 'async_tp' must be a bool", "got 'yes', a str")),
     Row("tensor_parallel", "not a strategy", lambda k: sg.tensor_parallel(None, _plan()), U,
         ("tensor_parallel: 'strategy' must be a Strategy", "got None")),
     Row("context_parallel", "on ddp", lambda k: sg.context_parallel(sg.ddp(device="cpu")), C,

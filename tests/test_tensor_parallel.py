@@ -263,3 +263,20 @@ def test_a_mesh_that_does_not_fit_the_world_is_refused_before_joining():
         ("shard", 2),
         ("tp", 2),
     )
+
+
+def _wrap_error(strategy, ctx) -> str:
+    try:
+        strategy.wrap(make_block(), ctx)
+    except sg.UsageError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.slow
+def test_async_tensor_parallel_is_refused_off_cuda_on_every_rank():
+    strategy = sg.tensor_parallel(sg.fsdp_spawn(device="cpu"), block_plan(), async_tp=True)
+    assert strategy.wrap.async_tp is True
+    for error in sg.launch(_wrap_error, strategy, devices=2):
+        assert "tensor_parallel(async_tp=True) overlaps the 'tp' collectives" in error
+        assert "this rank trains on cpu; drop async_tp, or train on CUDA devices" in error

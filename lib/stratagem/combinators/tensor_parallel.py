@@ -94,6 +94,7 @@ class TensorParallelWrap:
 
     inner: WrapFn
     plan: Plan
+    async_tp: bool = False
     in_reference: ClassVar[bool] = False  # it distributes: the reference trains the whole module
 
     def __call__(self, module: torch.nn.Module, ctx: Context) -> torch.nn.Module:
@@ -107,6 +108,8 @@ class TensorParallelWrap:
                 f"wrap: ctx has no mesh with a {tp!r} dimension; pass the Context that the "
                 "tensor_parallel strategy's setup returned."
             )
+        if self.async_tp:
+            _enable_async_tp(ctx, mesh[tp])
         if is_distributed(ctx):
             check_same_layout(module, ctx)
             broadcast_tensors([*module.parameters(), *module.buffers()], ctx, src=0)
@@ -126,7 +129,32 @@ class TensorParallelWrap:
         return self.inner(module, ctx)
 
 
-def tensor_parallel(strategy: Strategy, plan: Plan, *, size: int = 2) -> Strategy:
+def _enable_async_tp(ctx: Context, tp_mesh: DeviceMesh) -> None:
+    """Let inductor fuse each all-gather or reduce-scatter of ``"tp"`` with its matmul.
+
+    Symmetric memory for the group, and inductor's micro-pipeline pass (a
+    process-wide setting, as torchtitan sets it); it takes effect in code that
+    ``torch.compile`` compiles, so the strategy must be `compiled` too.
+
+    Raises:
+        UsageError: the ranks do not train on CUDA, where symmetric memory lives.
+    """
+    if ctx.device.type != "cuda":
+        raise UsageError(
+            f"wrap: tensor_parallel(async_tp=True) overlaps the 'tp' collectives with the "
+            f"matmuls through CUDA symmetric memory, but this rank trains on {ctx.device}; "
+            "drop async_tp, or train on CUDA devices with NCCL."
+        )
+    import torch._inductor.config as inductor
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    inductor._micro_pipeline_tp = True  # noqa: SLF001
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+
+
+def tensor_parallel(
+    strategy: Strategy, plan: Plan, *, size: int = 2, async_tp: bool = False
+) -> Strategy:
     """Split the layers ``plan`` names over ``size`` ranks; shard the rest of the world as before.
 
     Fields touched: ``setup`` (the mesh gains a last dimension ``"tp"`` of
@@ -146,6 +174,9 @@ def tensor_parallel(strategy: Strategy, plan: Plan, *, size: int = 2) -> Strateg
         plan: module paths to ``ParallelStyle`` objects, or a function
             ``(module, tp_mesh) -> module``.
         size: ranks per tensor-parallel group; must divide the world.
+        async_tp: overlap each ``"tp"`` all-gather and reduce-scatter with its
+            matmul (torch's micro-pipelined TP over CUDA symmetric memory);
+            CUDA and `compiled` only, so the wrap refuses it on other devices.
 
     Raises:
         UsageError: ``strategy`` is not a `Strategy`, ``plan`` or ``size`` is malformed.
@@ -155,6 +186,7 @@ def tensor_parallel(strategy: Strategy, plan: Plan, *, size: int = 2) -> Strateg
     check_strategy(strategy, "tensor_parallel")
     checked_plan = _check_plan(plan)
     require(is_int(size, 2), "tensor_parallel: 'size'", "an int of at least 2", size)
+    require(isinstance(async_tp, bool), "tensor_parallel: 'async_tp'", "a bool", async_tp)
     setup, wrap = strategy.setup, strategy.wrap
     if isinstance(wrap, TensorParallelWrap):
         raise CombinatorError(
@@ -167,5 +199,5 @@ def tensor_parallel(strategy: Strategy, plan: Plan, *, size: int = 2) -> Strateg
         strategy,
         name=f"{strategy.name}+tp{size}",
         setup=attrs.evolve(setup, tensor_parallel=size),
-        wrap=TensorParallelWrap(wrap, checked_plan),
+        wrap=TensorParallelWrap(wrap, checked_plan, async_tp),
     )
