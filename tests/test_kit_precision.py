@@ -184,3 +184,19 @@ def test_fsdp_16_mixed_passes_with_the_batchnorm_module(stratagem_world, tmp_pat
     # each rank's gradient shard alone; the ranks now agree on it, as ShardedGradScaler does.
     check_all(strategy, world=stratagem_world, directory=tmp_path,
               modules={"batchnorm": batchnorm_mlp()}, optimizers=(sgd_momentum,))  # fmt: skip
+
+
+def test_a_reference_law_lets_one_percent_of_a_tensor_flip_in_a_low_precision_only():
+    from stratagem.testing.laws.state import first_difference
+    from stratagem.testing.tolerances import law_outliers
+
+    theirs = {"w": torch.zeros(200)}
+    one_off, three_off = torch.zeros(200), torch.zeros(200)
+    one_off[7] = three_off[:3] = 0.02  # an AdamW update's sign flipped: 2 x lr
+    mixed = sg.with_precision(sg.fsdp(device="cpu"), "bf16-mixed")
+    outliers = law_outliers(mixed, "data-parallel-step")
+    assert outliers == 0.01
+    assert first_difference({"w": one_off}, theirs, rtol=0, atol=1e-3, outliers=outliers) is None
+    assert first_difference({"w": three_off}, theirs, rtol=0, atol=1e-3, outliers=outliers)
+    assert law_outliers(sg.fsdp(device="cpu"), "data-parallel-step") == 0.0  # float32: none
+    assert law_outliers(mixed, "wrap-preserves") == 0.0  # one forward: none

@@ -46,7 +46,7 @@ from stratagem.testing.laws._core import (
 )
 from stratagem.testing.laws.state import first_difference, hint, snapshot
 from stratagem.testing.reference import buffers_rule, undistributed
-from stratagem.testing.tolerances import law_tolerances
+from stratagem.testing.tolerances import law_outliers, law_tolerances
 from stratagem.testing.world import World
 from stratagem.trees import map_tensors, tensors_in
 from stratagem.validators import is_int, require
@@ -491,6 +491,7 @@ def _judge(
     parts: list[tuple[bool, int]] | None = None,
 ) -> None:
     rtol, atol = contract.tolerances(law_tolerances(strategy, law))
+    outliers = law_outliers(strategy, law)
     world_size = len(results)
     steps = len(expected[0])
     sharded = contract.optimizer_state == "sharded"
@@ -512,8 +513,9 @@ def _judge(
             if parts[rank][0]:  # this stage's keys; _check_parts saw that none is lost
                 keys = tuple(k for k in keys or expected[rank][step] if k in results[rank][step])
             difference = first_difference(
-                results[rank][step], expected[rank][step], rtol=rtol, atol=atol, keys=keys
-            )
+                results[rank][step], expected[rank][step], rtol=rtol, atol=atol, keys=keys,
+                outliers=outliers,
+            )  # fmt: skip
             if difference is None:
                 continue
             agree = all(
