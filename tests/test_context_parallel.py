@@ -25,7 +25,7 @@ from stratagem.combinators.context_parallel import ContextParallelStep, sequence
 from stratagem.meshes import mesh_dims
 from stratagem.testing import LawViolation, check_all
 from stratagem.testing.tolerances import FLOAT32, law_tolerances
-from test_tensor_parallel import assert_equal_to_reference, whole_state
+from test_tensor_parallel import assert_equal_to_reference, mse, trained_alone, whole_state
 
 STEPS, BATCH, SEQ = 3, 8, 8
 
@@ -37,11 +37,6 @@ def loader() -> DataLoader:
         torch.randn(STEPS * BATCH, SEQ, 16, generator=generator),
     )
     return DataLoader(data, batch_size=BATCH)
-
-
-def mse(model, batch):
-    inputs, targets = batch
-    return torch.nn.functional.mse_loss(model(inputs), targets)
 
 
 def train(strategy, ctx) -> dict[str, object]:
@@ -68,15 +63,7 @@ def train(strategy, ctx) -> dict[str, object]:
 
 
 def reference() -> dict[str, torch.Tensor]:
-    strategy = sg.single_device("cpu")
-    ctx = strategy.setup(sg.Env())
-    model = strategy.wrap(make_block(seed=0), ctx)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    for batch in loader():
-        loss = strategy.step(model, batch, ctx, forward=mse)
-        strategy.backward(loss, model, ctx)
-        strategy.update(optimizer, model, ctx)
-    return whole_state(model, optimizer)
+    return trained_alone(make_block(seed=0), loader())
 
 
 # ------------------------------------------------------------------------------ the record

@@ -88,22 +88,21 @@ def _per_rank_loader(batches: DataLoader, ctx) -> DataLoader:
     return DataLoader(batches.dataset, batch_size=BATCH // size)
 
 
-def reference() -> dict[str, torch.Tensor]:
+def trained_alone(module: torch.nn.Module, batches: DataLoader) -> dict[str, torch.Tensor]:
+    """One process's training on the whole batches (AdamW, mse): what every split must equal."""
     strategy = sg.single_device("cpu")
     ctx = strategy.setup(sg.Env())
-    model = strategy.wrap(make_block(seed=0), ctx)
+    model = strategy.wrap(module, ctx)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    for batch in loader():
+    for batch in batches:
         loss = strategy.step(model, batch, ctx, forward=mse)
         strategy.backward(loss, model, ctx)
         strategy.update(optimizer, model, ctx)
-    names = {id(p): n for n, p in model.named_parameters()}
-    state = {f"model.{n}": p.detach().clone() for n, p in model.named_parameters()}
-    for parameter, slots in optimizer.state.items():
-        for slot, value in slots.items():
-            if slot != "step":
-                state[f"optimizer.{names[id(parameter)]}.{slot}"] = value.clone()
-    return state
+    return whole_state(model, optimizer)
+
+
+def reference() -> dict[str, torch.Tensor]:
+    return trained_alone(make_block(seed=0), loader())
 
 
 def assert_equal_to_reference(results, expected) -> None:

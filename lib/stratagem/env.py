@@ -87,20 +87,6 @@ class MeshNames:
         """
         return (self.tp, self.pp, self.cp)
 
-    @property
-    def shard_cp(self) -> str:
-        """The name of ``shard`` and ``cp`` flattened into one: what FSDP shards over under CP."""
-        return f"{self.shard}_{self.cp}"
-
-    @property
-    def shard_ep(self) -> str:
-        """The name of ``shard`` and ``ep`` flattened into one: what FSDP shards over under EP.
-
-        The ranks of an expert-parallel group take different batches, as those
-        of a shard group do; only the experts are split over ``ep``.
-        """
-        return f"{self.shard}_{self.ep}"
-
 
 def mesh_names(names: object) -> MeshNames:
     """Convert ``None``, a mapping of roles to names, or `MeshNames` to `MeshNames`.
@@ -355,9 +341,10 @@ class Context:
         """The sub-mesh of ``mesh``'s data-parallel dimensions, what FSDP shards over; or ``None``.
 
         The whole mesh when it has no model-parallel dimension (`MeshNames.model_parallel`).
-        Under `context_parallel` the ``shard`` and ``cp`` dimensions count as one
-        (`MeshNames.shard_cp`, built by the setup as ``extras["data_mesh"]``):
-        gradients average over every rank of a sequence too.
+        Under `context_parallel` (`expert_parallel`) the ``shard`` and ``cp``
+        (``ep``) dimensions count as one, ``shard_cp`` (``shard_ep``), built by
+        the setup as ``extras["data_mesh"]`` (`meshes.flattened_data_mesh`):
+        gradients average over every rank of a sequence (every expert group) too.
         A wrap of your own that shards (``fully_shard(..., mesh=ctx.data_mesh)``)
         then composes with `tensor_parallel` and `context_parallel` as the built-in one does.
         """

@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 __all__ = [
     "JoinMesh",
     "ShardSize",
-    "context_parallel_data_mesh",
     "device_mesh",
+    "flattened_data_mesh",
     "mesh_dims",
     "mesh_shape",
 ]
@@ -174,20 +174,21 @@ def device_mesh(
     )
 
 
-def context_parallel_data_mesh(mesh: DeviceMesh, names: MeshNames) -> DeviceMesh:
-    """Return the mesh FSDP shards over under context parallelism: ``shard`` and ``cp`` as one.
+def flattened_data_mesh(mesh: DeviceMesh, names: MeshNames, beside: str) -> DeviceMesh:
+    """Return the mesh FSDP shards over: ``shard`` and ``beside`` (``cp`` or ``ep``) as one.
 
-    ``(replicate, shard_cp)`` for hybrid sharding, else ``(shard_cp,)``
-    (`MeshNames.shard_cp`): the gradients of a sequence's ranks average too.
+    ``(replicate, shard_<beside>)`` for hybrid sharding, else
+    ``(shard_<beside>,)``: the gradients of a sequence's ranks (``cp``), or of
+    ranks whose experts differ (``ep``), average with the shard group's.
     """
     # torch has no public flatten yet; torchtitan flattens its dp_shard_cp the same way.
-    dims = mesh.mesh_dim_names or ()
+    dims, flat = mesh.mesh_dim_names or (), f"{names.shard}_{beside}"
     if names.replicate not in dims:
-        return mesh[(names.shard, names.cp)]._flatten(names.shard_cp)  # noqa: SLF001
+        return mesh[(names.shard, beside)]._flatten(flat)  # noqa: SLF001
     replicas = mesh.size(dims.index(names.replicate))
-    every = mesh[(names.replicate, names.shard, names.cp)]._flatten()  # noqa: SLF001
+    every = mesh[(names.replicate, names.shard, beside)]._flatten()  # noqa: SLF001
     return every._unflatten(  # noqa: SLF001
-        0, (replicas, every.size() // replicas), (names.replicate, names.shard_cp)
+        0, (replicas, every.size() // replicas), (names.replicate, flat)
     )
 
 
@@ -221,8 +222,5 @@ class JoinMesh:
         mesh = device_mesh(ctx, self.shard_size, self.tensor_parallel, names, cp, ep)
         if cp == 1 and ep == 1:
             return ctx.with_extras(mesh=mesh, mesh_names=names)
-        if ep > 1:  # torch has no public flatten yet (as for context parallelism)
-            data_mesh = mesh[(names.shard, names.ep)]._flatten(names.shard_ep)  # noqa: SLF001
-        else:
-            data_mesh = context_parallel_data_mesh(mesh, names)
+        data_mesh = flattened_data_mesh(mesh, names, names.ep if ep > 1 else names.cp)
         return ctx.with_extras(mesh=mesh, mesh_names=names, data_mesh=data_mesh)

@@ -29,6 +29,7 @@ __all__ = [
     "gradients",
     "mesh_under",
     "outermost_picks",
+    "waited",
     "with_mesh",
 ]
 
@@ -104,6 +105,12 @@ def with_mesh(
     layers, joins = under
     setup = rebased(layers, attrs.evolve(joins, **mesh))
     return attrs.evolve(strategy, name=f"{strategy.name}+{suffix}", setup=setup, **fields)
+
+
+def waited(tensor: torch.Tensor) -> torch.Tensor:
+    """Return a functional collective's result (an ``AsyncCollectiveTensor``), waited for."""
+    wait = getattr(tensor, "wait", None)
+    return wait() if callable(wait) else tensor
 
 
 def gradients(optimizer: Any) -> list[torch.Tensor]:

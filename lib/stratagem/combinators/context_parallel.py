@@ -39,7 +39,13 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
-from stratagem.combinators._base import CombinatorError, check_strategy, mesh_under, with_mesh
+from stratagem.combinators._base import (
+    CombinatorError,
+    check_strategy,
+    mesh_under,
+    waited,
+    with_mesh,
+)
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError
 from stratagem.fields import ForwardFn, StepFn
@@ -79,12 +85,6 @@ def sequence_positions(length: int, rank: int, size: int, load_balance: bool) ->
     )
 
 
-def _waited(tensor: torch.Tensor) -> torch.Tensor:
-    """Return a functional collective's result (an ``AsyncCollectiveTensor``), waited for."""
-    wait = getattr(tensor, "wait", None)
-    return wait() if callable(wait) else tensor
-
-
 def _gather(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     """All-gather ``tensor`` over ``group`` along its sequence dimension (-2), with autograd.
 
@@ -99,7 +99,7 @@ def _gather(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     wide = torch.float32 if tensor.dtype in (torch.bfloat16, torch.float16) else tensor.dtype
     along = tensor.to(wide).contiguous()
     gathered = all_gather_single_autograd(along, gather_dim=along.dim() - 2, group=group)
-    return _waited(gathered).to(tensor.dtype)
+    return waited(gathered).to(tensor.dtype)
 
 
 @attrs.define
@@ -290,11 +290,11 @@ class ContextParallelStep:
         from torch.distributed import _functional_collectives as funcol
 
         if tensor.dim() == 0 and tensor.is_floating_point():
-            total = _waited(funcol.all_reduce(tensor.detach(), "sum", group))
+            total = waited(funcol.all_reduce(tensor.detach(), "sum", group))
             return tensor + (total / torch.distributed.get_world_size(group) - tensor.detach())
         if tensor.dim() > self.seq_dim and tensor.size(self.seq_dim) == share:
             along = tensor.movedim(self.seq_dim, 0).contiguous()
-            gathered = _waited(funcol.all_gather_single_autograd(along, gather_dim=0, group=group))
+            gathered = waited(funcol.all_gather_single_autograd(along, gather_dim=0, group=group))
             return gathered.index_select(0, order.to(tensor.device)).movedim(0, self.seq_dim)
         return tensor
 

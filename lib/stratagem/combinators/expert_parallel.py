@@ -30,7 +30,7 @@ divide factor would do it with ``PREMUL_SUM``, which gloo does not have.)
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 import torch
@@ -41,6 +41,7 @@ from stratagem.combinators._base import (
     check_strategy,
     mesh_under,
     outermost_picks,
+    waited,
     with_mesh,
 )
 from stratagem.env import Context, check_context
@@ -50,6 +51,9 @@ from stratagem.precisions import precision_of
 from stratagem.replicas import broadcast_tensors, check_same_layout
 from stratagem.strategy import Strategy
 from stratagem.validators import is_int, require
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["ExpertParallelWrap", "expert_parallel", "expert_slice"]
 
@@ -69,11 +73,6 @@ def expert_slice(experts: int, rank: int, size: int) -> tuple[int, int]:
     """
     share = experts // size
     return rank * share, (rank + 1) * share
-
-
-def _waited(tensor: torch.Tensor) -> torch.Tensor:
-    wait = getattr(tensor, "wait", None)
-    return wait() if callable(wait) else tensor
 
 
 @attrs.define
@@ -102,11 +101,11 @@ class _Dispatch:
         counts = counts.to(torch.int64)
         splits = [local] * self.size
         # Every rank learns how many of each source's tokens go to each of its experts.
-        incoming = _waited(funcol.all_to_all_single(counts, splits, splits, self.group))
+        incoming = waited(funcol.all_to_all_single(counts, splits, splits, self.group))
         by_source = incoming.view(self.size, local).cpu()
         sent = counts.view(self.size, local).sum(1).tolist()
         received = by_source.sum(1).tolist()
-        arrived = _waited(
+        arrived = waited(
             funcol.all_to_all_single_autograd(tokens.contiguous(), received, sent, self.group)
         )
         order = _expert_major(by_source).to(arrived.device)
@@ -135,7 +134,7 @@ class _Dispatch:
         back = funcol.all_to_all_single_autograd(
             by_source.contiguous(), route.sent, route.received, self.group
         )
-        return _waited(back)
+        return waited(back)
 
     def _checked(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, Any]:
         shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else describe(a) for a in args]
@@ -161,18 +160,12 @@ class _Dispatch:
 
 def _expert_major(by_source: torch.Tensor) -> torch.Tensor:
     """Return the indices that put rows received by (source, expert) in (expert, source) order."""
-    flat = by_source.flatten()
-    starts = torch.cumsum(flat, 0) - flat
     sources, local = by_source.shape
-    blocks = [
-        torch.arange(int(starts[s * local + e]), int(starts[s * local + e] + flat[s * local + e]))
-        for e in range(local)
-        for s in range(sources)
-    ]
-    return torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.int64)
+    expert_of_row = torch.arange(local).repeat(sources).repeat_interleave(by_source.flatten())
+    return torch.argsort(expert_of_row, stable=True)
 
 
-def _split_experts(module: torch.nn.Module, ctx: Context, size: int) -> int:
+def _split_experts(module: torch.nn.Module, ep: DeviceMesh) -> int:
     """Replace each parameter of ``module`` with this rank's experts, a DTensor on ``"ep"``."""
     from torch.distributed.tensor import DTensor, Shard
 
@@ -186,14 +179,13 @@ def _split_experts(module: torch.nn.Module, ctx: Context, size: int) -> int:
             f"leading size (got {shapes}); stack the experts' weights (E, ...) in the module "
             "the experts policy picks."
         )
-    experts = counts.pop()
+    experts, size = counts.pop(), ep.size()
     assert experts is not None
     if experts % size:
         raise UsageError(
             f"wrap: expert_parallel(size={size}) cannot split the {experts} experts of "
             f"{type(module).__name__} evenly; use a size that divides {experts}."
         )
-    ep = ctx.mesh[ctx.mesh_names.ep]
     start, stop = expert_slice(experts, ep.get_local_rank(), size)
     for name, param in params:
         mine = param.detach()[start:stop].clone()
@@ -237,17 +229,17 @@ class ExpertParallelWrap:
         if is_distributed(ctx):  # every group splits the same experts
             check_same_layout(module, ctx)
             broadcast_tensors([*module.parameters(), *module.buffers()], ctx, src=0)
-        size = mesh[names.ep].size()
+        ep = mesh[names.ep]
         state = precision_of(ctx)
         policy = None if state is None else state.fsdp_policy()
         options: dict[str, Any] = {"mesh": mesh[names.shard]}
         if policy is not None:
             options["mp_policy"] = policy
         for experts_module in picked:
-            count = _split_experts(experts_module, ctx, size)
+            count = _split_experts(experts_module, ep)
             fully_shard(experts_module, **options)
             # After FSDP's hooks: FSDP sees the experts' own output, not the tokens sent back.
-            dispatch = _Dispatch(mesh[names.ep].get_group(), size, count)
+            dispatch = _Dispatch(ep.get_group(), ep.size(), count)
             experts_module.register_forward_pre_hook(dispatch.before)
             experts_module.register_forward_hook(dispatch.after)
         return self.inner(module, ctx)
