@@ -91,11 +91,11 @@ class PendingSave:
                 f"longest wait threads allow (got {timeout!r}); pass None to wait as long as the "
                 "save's collectives may."
             )
-        if not self._finished.wait(DEFAULT_WAIT if timeout is None else timeout):
+        limit = DEFAULT_WAIT if timeout is None else timeout
+        if not self._finished.wait(limit):
             raise CheckpointError(
-                f"save: the background save to {str(self.path)!r} did not end within "
-                f"{DEFAULT_WAIT if timeout is None else timeout:g} s; a rank may have stopped "
-                "taking part (see the other ranks' errors)."
+                f"save: the background save to {str(self.path)!r} did not end within {limit:g} s; "
+                "a rank may have stopped taking part (see the other ranks' errors)."
             )
         self._reported = True
         if self._error is not None:
@@ -104,10 +104,6 @@ class PendingSave:
     def _end(self, error: BaseException | None) -> None:
         self._error = error
         self._finished.set()
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [""])[0]
 
 
 def retold(error: BaseException, message: str) -> BaseException:
@@ -151,7 +147,7 @@ def unseen_failure(target: Path) -> None:
             raise retold(
                 error,
                 f"save: the background save to {str(save.path)!r} failed, and nobody waited "
-                f"for it ({type(error).__name__}: {_first_line(error)}); so this save to "
+                f"for it ({directory.error_line(error)}); so this save to "
                 f"{str(target)!r} was not made: save again (call wait() on a background "
                 "save's handle to see its error where it happens).",
             ) from None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import io
+import math
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,6 +40,7 @@ from torch.futures import Future
 from stratagem.checkpoint.directory import Found, checksum, refusal, unreadable
 from stratagem.env import Context, host_group
 from stratagem.errors import CheckpointError
+from stratagem.validators import is_int
 
 __all__ = [
     "check_storage",
@@ -77,6 +79,16 @@ def _failure(error: BaseException, what: str) -> CheckpointError:
     return CheckpointError(f"{what} failed ({type(cause).__name__}: {cause}).")
 
 
+def _writing(directory: Path, ctx: Context) -> dict[str, Any]:
+    """Return the arguments of DCP's ``save`` and ``async_save``: one synced file per rank."""
+    return {
+        "storage_writer": FileSystemWriter(directory, single_file_per_rank=True, sync_files=True),
+        "planner": DefaultSavePlanner(dedup_save_to_lowest_rank=True),
+        "process_group": host_group(ctx),
+        "no_dist": ctx.group is None,
+    }
+
+
 def write(directory: Path, state_dict: dict[str, Any], ctx: Context) -> None:
     """Write ``state_dict`` into ``directory``: each rank its own file.
 
@@ -87,18 +99,11 @@ def write(directory: Path, state_dict: dict[str, Any], ctx: Context) -> None:
     Raises:
         CheckpointError: a rank failed to write (every rank raises it).
     """
-    writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=True)
     try:
         with _world_of_one(ctx):
-            dcp_save(
-                state_dict,
-                storage_writer=writer,
-                planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
-                process_group=host_group(ctx),
-                no_dist=ctx.group is None,
-            )
+            dcp_save(state_dict, **_writing(directory, ctx))
     except (Exception, CheckpointException) as error:  # DCP's error is a BaseException
-        raise _failure(error, f"save: writing {str(directory)!r}") from None
+        raise failure_of(error, directory) from None
 
 
 def write_async(
@@ -115,7 +120,6 @@ def write_async(
         CheckpointError: the state could not be staged (the writing's own
             failures arrive through the future, as `write` raises them).
     """
-    writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=True)
     if ctx.group is None:
         # DCP's thread warns that a world of one is one; `_world_of_one` cannot reach that
         # thread (warning filters are per process, and restored when the block ends), so this
@@ -125,13 +129,7 @@ def write_async(
         with _world_of_one(ctx):
             return cast(
                 "concurrent.futures.Future[Any]",
-                dcp_async_save(
-                    state_dict,
-                    storage_writer=writer,
-                    planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
-                    process_group=host_group(ctx),
-                    no_dist=ctx.group is None,
-                ),
+                dcp_async_save(state_dict, **_writing(directory, ctx)),
             )
     except (Exception, CheckpointException) as error:
         raise _failure(error, f"save: staging the state for {str(directory)!r}") from None
@@ -261,27 +259,20 @@ def _shown(metadata: Metadata, fqn: str) -> str:
     return "/".join(map(str, path)) if isinstance(path, tuple) and path else str(fqn)
 
 
-def _volume(sizes: Any) -> int:
-    volume = 1
-    for size in sizes:
-        volume *= size
-    return volume
-
-
 def _sizes_of(value: Any, dimensions: int | None) -> tuple[int, ...] | None:
     """Return ``value`` as a tuple of non-negative ints (of ``dimensions`` of them), else None."""
     if not isinstance(value, (tuple, list)) or len(value) > _MAX_DIMENSIONS:
         return None
     if dimensions is not None and len(value) != dimensions:
         return None
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+    if not all(is_int(v, 0) for v in value):
         return None
     return tuple(value)
 
 
 def _overlapping(chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
     """Whether any two boxes ``(offsets, sizes)`` share an element (a sweep along dimension 0)."""
-    boxes = sorted((o, z) for o, z in chunks if _volume(z) > 0)
+    boxes = sorted((o, z) for o, z in chunks if math.prod(z) > 0)
     for i, (offsets, sizes) in enumerate(boxes):
         for other, other_sizes in boxes[i + 1 :]:
             if offsets and other[0] >= offsets[0] + sizes[0]:
@@ -320,7 +311,7 @@ def check_tensors(directory: Path, metadata: Metadata, sizes: dict[str, int]) ->
                 f"its .metadata declares {key!r} of shape {item.size!r}, with a negative or "
                 f"non-integer dimension, or more than {_MAX_DIMENSIONS} (a crafted file)",
             )
-        elements = _volume(shape)
+        elements = math.prod(shape)
         if elements * dtype.itemsize > stored:
             raise unreadable(
                 directory,
@@ -340,7 +331,7 @@ def check_tensors(directory: Path, metadata: Metadata, sizes: dict[str, int]) ->
                 raise unreadable(
                     directory, f"its .metadata lists a piece of {key!r} outside its shape"
                 )
-            if _volume(extent) and MetadataIndex(fqn, offsets) not in metadata.storage_data:
+            if math.prod(extent) and MetadataIndex(fqn, offsets) not in metadata.storage_data:
                 raise unreadable(
                     directory, f"its .metadata lists a piece of {key!r} stored nowhere"
                 )
@@ -349,7 +340,7 @@ def check_tensors(directory: Path, metadata: Metadata, sizes: dict[str, int]) ->
             raise unreadable(
                 directory, f"the pieces its .metadata lists for {key!r} overlap (a crafted file)"
             )
-        covered = sum(_volume(z) for _, z in chunks)
+        covered = sum(math.prod(z) for _, z in chunks)
         if covered != elements:
             raise unreadable(
                 directory,
@@ -369,10 +360,7 @@ def checksums(directory: Path, ctx: Context) -> dict[str, int]:
     mine = sorted(directory.glob(f"__{ctx.rank}_*")) + (
         [directory / ".metadata"] if ctx.rank == 0 else []
     )
-    sums: dict[str, int] = {}
-    for path in mine:
-        with open(path, "rb") as file:
-            sums[path.name] = checksum(file)
+    sums = {path.name: checksum(path) for path in mine}
     if ctx.group is not None and ctx.world_size > 1:
         parts: list[Any] = [None] * ctx.world_size
         dist.all_gather_object(parts, sums, group=host_group(ctx))
@@ -380,8 +368,7 @@ def checksums(directory: Path, ctx: Context) -> dict[str, int]:
     if ctx.rank == 0:
         for path in sorted(directory.iterdir()):
             if path.is_file() and path.name not in sums:
-                with open(path, "rb") as file:
-                    sums[path.name] = checksum(file)
+                sums[path.name] = checksum(path)
     return sums
 
 

@@ -76,6 +76,7 @@ import torch
 
 from stratagem.checkpoint.safetensor_files import INDEX
 from stratagem.errors import CheckpointError, UsageError, describe
+from stratagem.validators import is_int
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -91,6 +92,7 @@ __all__ = [
     "discard",
     "disk_full",
     "encode",
+    "error_line",
     "exists",
     "latest",
     "pinned",
@@ -320,12 +322,12 @@ def read_manifest(directory: Path, shown: Path | None = None) -> dict[str, Any]:
     return manifest
 
 
-def checksum(file: Any) -> int:
-    """Return the CRC-32 of an open binary file, read from its start."""
-    file.seek(0)
+def checksum(path: Path) -> int:
+    """Return the CRC-32 of the file at ``path``."""
     value = 0
-    while chunk := file.read(_CHUNK):
-        value = zlib.crc32(chunk, value)
+    with open(path, "rb") as file:
+        while chunk := file.read(_CHUNK):
+            value = zlib.crc32(chunk, value)
     return value
 
 
@@ -336,13 +338,12 @@ def verify(found: Found) -> None:
         CheckpointError: a file's bytes changed since it was written (a flipped bit).
     """
     for name, expected in found.manifest.get("checksums", {}).items():
-        with open(found.path_of(name), "rb") as file:
-            if checksum(file) != expected:
-                raise unreadable(
-                    found.directory,
-                    f"{name} does not match the checksum written with it (its bytes changed "
-                    "since the save: a disk or copy error); load an earlier checkpoint",
-                )
+        if checksum(found.path_of(name)) != expected:
+            raise unreadable(
+                found.directory,
+                f"{name} does not match the checksum written with it (its bytes changed "
+                "since the save: a disk or copy error); load an earlier checkpoint",
+            )
 
 
 @contextlib.contextmanager
@@ -415,9 +416,7 @@ def order(found: Found) -> tuple[int, int]:
     among themselves by ``saved_at_ns``, and before every newer one.
     """
     sequence = found.manifest.get("sequence", 0)
-    if isinstance(sequence, bool) or not isinstance(sequence, int):
-        sequence = 0
-    return sequence, found.manifest.get("saved_at_ns", 0)
+    return sequence if is_int(sequence) else 0, found.manifest.get("saved_at_ns", 0)
 
 
 def _next_sequence(parent: Path) -> int:
@@ -444,12 +443,7 @@ def resolve(target: Path) -> Found:
     """
     if target.exists():
         if not target.is_dir():
-            hint = (
-                f"; to read weights from it, use {_IMPORT}"
-                if target.suffix.lower() in WEIGHT_FILES
-                else ""
-            )
-            raise unreadable(target, f"it is a file; a checkpoint is a directory{hint}")
+            raise _a_file(target)
         return Found(target, read_manifest(target))
     previous = _newest(_siblings(target, _OLD))
     if previous is None:
@@ -641,9 +635,7 @@ def begin(target: Path, token: str) -> Path:
         tmp = temporary(target, token)
         tmp.mkdir()
     except BaseException as error:
-        with contextlib.suppress(FileNotFoundError):
-            _lock_path(target).unlink()
-        os.close(fd)
+        _unlock(_lock_path(target), fd)
         if isinstance(error, PermissionError):
             raise _denied(error, target) from None
         raise
@@ -679,10 +671,8 @@ def _writable_parent(target: Path) -> None:
 
 def _denied(error: PermissionError, target: Path) -> CheckpointError:
     where = Path(error.filename).parent if error.filename else target.parent
-    for place in [where, *where.parents]:
-        if place.exists():
-            where = place
-            break
+    # The nearest that exists is the one whose permissions refused.
+    where = next((place for place in [where, *where.parents] if place.exists()), where)
     with contextlib.suppress(OSError):
         owner = where.stat().st_uid
         if owner != os.geteuid():
@@ -700,10 +690,14 @@ def _denied(error: PermissionError, target: Path) -> CheckpointError:
 def _release(tmp: Path, target: Path) -> None:
     fd = _held.pop(tmp, None)
     if fd is not None:
-        # Removed while still locked: a saver that opened it meanwhile sees it is gone.
-        with contextlib.suppress(FileNotFoundError):
-            _lock_path(target).unlink()
-        os.close(fd)
+        _unlock(_lock_path(target), fd)
+
+
+def _unlock(lock: Path, fd: int) -> None:
+    # Removed while still locked: a saver that opened it meanwhile sees it is gone.
+    with contextlib.suppress(FileNotFoundError):
+        lock.unlink()
+    os.close(fd)
 
 
 def abandon(tmp: Path, target: Path) -> None:
@@ -794,9 +788,7 @@ def _sweep(target: Path) -> None:
                 for leftover in leftovers:
                     discard(leftover)
             finally:
-                with contextlib.suppress(FileNotFoundError):
-                    lock.unlink()
-                os.close(fd)
+                _unlock(lock, fd)
 
 
 # What a save leaves beside its path: PATH.tmp-<token>, PATH.old-<token> (token_hex(6)).
@@ -845,7 +837,6 @@ def disk_full(error: BaseException, target: Path) -> CheckpointError | None:
     )
     if not full:
         return None
-    first_line = (str(error).strip().splitlines() or [""])[0]
     kept = (
         f"the previous checkpoint at {os.fspath(target)!r} is intact"
         if target.exists()
@@ -855,7 +846,7 @@ def disk_full(error: BaseException, target: Path) -> CheckpointError | None:
         f"save: the disk holding {os.fspath(target.parent)!r} is full (or a quota or file-size "
         f"limit was reached) while writing the checkpoint; {kept}, and this save's partial "
         f"files were removed. Free some space (keep_last= prunes old checkpoints) and save "
-        f"again. ({type(error).__name__}: {first_line})"
+        f"again. ({error_line(error)})"
     )
 
 
@@ -972,12 +963,18 @@ def _find_class(module: str, name: str) -> Any:
     return found
 
 
+def error_line(error: BaseException) -> str:
+    """Return ``error`` in one line, to quote in another message: its type and first line."""
+    first = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first}"
+
+
 def refusal(error: Exception) -> str:
     """Say in a few words why ``torch.load(weights_only=True)`` (or ``torch.save``) failed."""
     found = re.search(r"GLOBAL (\S+)", str(error))
     if found:
         return f"it names {found.group(1)}, which weights_only loading refuses"
-    return f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
+    return error_line(error)
 
 
 def read_metadata(found: Found) -> Metadata:

@@ -35,7 +35,7 @@ import hashlib
 import random
 import sys
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 
 import attrs
 import numpy as np
@@ -69,14 +69,7 @@ __all__ = [
 ]
 
 Kind = Literal["module", "optimizer", "object", "value", "per_rank_object", "per_rank_value"]
-KINDS: tuple[Kind, ...] = (
-    "module",
-    "optimizer",
-    "object",
-    "value",
-    "per_rank_object",
-    "per_rank_value",
-)
+KINDS: tuple[Kind, ...] = get_args(Kind)
 PER_RANK_KINDS: tuple[Kind, ...] = ("per_rank_object", "per_rank_value")
 RNG_KEY = "_stratagem_rng"
 _RESERVED = "_stratagem"
@@ -459,10 +452,10 @@ def _fingerprints(tree: Any, prefix: str, out: dict[str, str]) -> None:
 _SHOWN = 20  # keys listed in a message; the rest are counted
 
 
-def listing(keys: Sequence[str]) -> str:
-    """Return ``keys`` joined by commas: the first `_SHOWN` of them, and how many more."""
-    shown = ", ".join(keys[:_SHOWN])
-    return shown + (f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else "")
+def listing(keys: Sequence[str], *, shown: int = _SHOWN) -> str:
+    """Return ``keys`` joined by commas: the first ``shown`` of them, and how many more."""
+    more = f" and {len(keys) - shown} more" if len(keys) > shown else ""
+    return ", ".join(keys[:shown]) + more
 
 
 def differing_replicas(

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from stratagem.errors import CheckpointError
+from stratagem.validators import is_int
 
 __all__ = ["DTYPES", "INDEX", "read", "read_index", "write"]
 
@@ -48,10 +49,6 @@ _HEADER_LIMIT = 100 * 2**20  # the safetensors package's own bound on a header
 
 def _bad(path: Path, why: str) -> CheckpointError:
     return CheckpointError(f"{path} is not a valid safetensors file: {why}.")
-
-
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _header_length(path: Path, size: int, head: bytes) -> int:
@@ -90,12 +87,12 @@ def _entries(
                 path, f"tensor {name!r} has dtype {entry['dtype']!r}, not one of {sorted(DTYPES)}"
             )
         shape, offsets = entry["shape"], entry["data_offsets"]
-        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        if not isinstance(shape, list) or not all(is_int(d, 0) for d in shape):
             raise _bad(path, f"tensor {name!r} has shape {shape!r}, not a list of sizes >= 0")
         if (
             not isinstance(offsets, list)
             or len(offsets) != 2
-            or not all(_is_count(o) for o in offsets)
+            or not all(is_int(o, 0) for o in offsets)
             or offsets[0] > offsets[1]
         ):
             raise _bad(path, f"tensor {name!r} has data_offsets {offsets!r}, not [begin, end]")

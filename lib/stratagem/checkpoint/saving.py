@@ -23,7 +23,7 @@ import torch.distributed as dist
 from stratagem import collectives
 from stratagem.checkpoint import background, directory, undo
 from stratagem.checkpoint.background import PendingSave
-from stratagem.checkpoint.directory import Found, decode, read_metadata, unreadable
+from stratagem.checkpoint.directory import Found, decode, error_line, read_metadata, unreadable
 from stratagem.checkpoint.entries import (
     KINDS,
     PER_RANK_KINDS,
@@ -45,6 +45,7 @@ from stratagem.checkpoint.rank_zero import agree, on_main
 from stratagem.env import Context, check_context, host_group
 from stratagem.errors import CheckpointError, UsageError, describe
 from stratagem.parts import everyones, everyones_ties
+from stratagem.validators import is_int
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import STORAGE_TYPES, Metadata
@@ -73,9 +74,10 @@ def checked_path(path: object, function: str) -> Path:
     return Path(text).absolute()
 
 
-def _check_flag(value: object, name: str, function: str) -> None:
-    if not isinstance(value, bool):
-        raise UsageError(f"{function}: '{name}' must be True or False (got {describe(value)}).")
+def _check_flags(function: str, **flags: object) -> None:
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise UsageError(f"{function}: '{name}' must be True or False (got {describe(value)}).")
 
 
 def save(
@@ -140,13 +142,8 @@ def save(
     ctx = collectives.check_world(check_context(ctx, "save"), "save")  # before any file is made
     collectives.expect_everyone(ctx, "save")
     target = checked_path(path, "save")
-    _check_flag(rng, "rng", "save")
-    _check_flag(verify, "verify", "save")
-    _check_flag(checksums, "checksums", "save")
-    _check_flag(blocking, "blocking", "save")
-    if keep_last is not None and (
-        isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
-    ):
+    _check_flags("save", rng=rng, verify=verify, checksums=checksums, blocking=blocking)
+    if keep_last is not None and not is_int(keep_last, 1):
         raise UsageError(
             f"save: 'keep_last' must be None or a positive int (got {describe(keep_last)})."
         )
@@ -525,8 +522,7 @@ def load(
     ctx = collectives.check_world(check_context(ctx, "load"), "load")  # before any file is made
     collectives.expect_everyone(ctx, "load")
     target = checked_path(path, "load")
-    _check_flag(strict, "strict", "load")
-    _check_flag(rng, "rng", "load")
+    _check_flags("load", strict=strict, rng=rng)
     entries = classify(state, "load")
     with opened(target, ctx) as (found, metadata):
         return _load(found, metadata, entries, ctx, strict=strict, rng=rng)
@@ -644,10 +640,9 @@ def tried_rng(state: Any, device: torch.device, rank: int) -> None:
     try:
         restore_rng(state, device)
     except Exception as error:  # whatever each generator's setter refuses
-        first = (str(error).strip().splitlines() or [""])[0]
         raise CheckpointError(
             f"load: rank {rank}'s RNG state in the checkpoint is malformed "
-            f"({type(error).__name__}: {first}); nothing was loaded. Pass rng=False to load "
+            f"({error_line(error)}); nothing was loaded. Pass rng=False to load "
             "the rest and keep this run's RNG states."
         ) from None
     finally:
@@ -730,10 +725,9 @@ def _apply(
         try:
             _apply_one(entry, templates, objects, strict, flat)
         except Exception as error:  # whatever the object's own load_state_dict raises
-            first = (str(error).strip().splitlines() or [""])[0]
             raise CheckpointError(
-                f"load: {entry.name!r} refused its saved state ({type(error).__name__}: "
-                f"{first}). Build {entry.name!r} as it was when saved, or leave it out of "
+                f"load: {entry.name!r} refused its saved state ({error_line(error)}). "
+                f"Build {entry.name!r} as it was when saved, or leave it out of "
                 "'state' and pass strict=False to load the rest."
             ) from None
 

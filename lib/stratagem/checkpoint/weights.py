@@ -24,12 +24,13 @@ from typing import Any, cast
 import torch
 
 from stratagem.checkpoint import safetensor_files
-from stratagem.checkpoint.directory import WEIGHT_FILES
-from stratagem.checkpoint.entries import settle, unwrap
+from stratagem.checkpoint.directory import WEIGHT_FILES, error_line
+from stratagem.checkpoint.entries import listing, settle, unwrap
 from stratagem.checkpoint.rank_zero import on_main
 from stratagem.env import Context, check_context
 from stratagem.errors import CheckpointError, UsageError, describe
 from stratagem.parts import part_of
+from stratagem.validators import is_int
 
 __all__ = ["export_weights", "import_weights", "weights_format"]
 
@@ -94,7 +95,7 @@ def export_weights(
     target, plain = _checked(path, module, ctx, "export_weights")
     kind = weights_format(target)
     limit = 5 * 10**9 if shard_bytes is None else shard_bytes
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+    if not is_int(limit, 1):
         raise UsageError(
             f"export_weights: 'shard_bytes' must be a positive int or None (got "
             f"{describe(shard_bytes)})."
@@ -110,63 +111,60 @@ def export_weights(
 
 def _write(target: Path, kind: str, state: dict[str, torch.Tensor], limit: int) -> None:
     tensors = {name: value.detach().cpu().contiguous() for name, value in state.items()}
-    token = secrets.token_hex(4)
-    if kind != "sharded":
-        tmp = target.with_name(f".{target.name}.tmp-{token}")
-        try:
-            if kind == "pt":
-                with open(tmp, "wb") as file:
-                    torch.save(tensors, file)
-                    file.flush()
-                    os.fsync(file.fileno())
-            else:
-                safetensor_files.write(tmp, tensors, {"format": "pt"})
-            os.replace(tmp, target)
-        except OSError as error:
-            raise CheckpointError(f"export_weights: cannot write {target}: {error}") from None
-        finally:
-            tmp.unlink(missing_ok=True)
-        return
-    if target.exists():
+    if kind == "sharded" and target.exists():
         raise UsageError(
             f"export_weights: {target} exists; export into a new directory (an export is "
             "never written over another, so a failed one cannot lose it)."
         )
-    tmp = target.with_name(f".{target.name}.tmp-{token}")
+    # Written beside the target, then renamed into place: a failed export leaves it whole.
+    tmp = target.with_name(f".{target.name}.tmp-{secrets.token_hex(4)}")
     try:
-        tmp.mkdir(parents=False)
-        groups: list[dict[str, torch.Tensor]] = [{}]
-        used = 0
-        for name, tensor in tensors.items():
-            size = tensor.numel() * tensor.element_size()
-            if groups[-1] and used + size > limit:
-                groups.append({})
-                used = 0
-            groups[-1][name] = tensor
-            used += size
-        shard_files = [
-            f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))
-        ]
-        for shard, group in zip(shard_files, groups, strict=True):
-            safetensor_files.write(tmp / shard, group, {"format": "pt"})
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {
-            "metadata": {"total_size": total},
-            "weight_map": {
-                key: shard
-                for shard, group in zip(shard_files, groups, strict=True)
-                for key in group
-            },
-        }
-        (tmp / safetensor_files.INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
-        os.rename(tmp, target)
+        if kind == "pt":
+            with open(tmp, "wb") as file:
+                torch.save(tensors, file)
+                file.flush()
+                os.fsync(file.fileno())
+        elif kind == "safetensors":
+            safetensor_files.write(tmp, tensors, {"format": "pt"})
+        else:
+            _write_shards(tmp, tensors, limit)
+        os.replace(tmp, target)
     except OSError as error:
         raise CheckpointError(f"export_weights: cannot write {target}: {error}") from None
     finally:
-        if tmp.exists():
+        if tmp.is_dir():
             for leftover in tmp.iterdir():
                 leftover.unlink()
             tmp.rmdir()
+        else:
+            tmp.unlink(missing_ok=True)
+
+
+def _write_shards(tmp: Path, tensors: dict[str, torch.Tensor], limit: int) -> None:
+    """Write ``tensors`` into the new directory ``tmp``: shards of ``limit`` bytes, and an index."""
+    tmp.mkdir(parents=False)
+    groups: list[dict[str, torch.Tensor]] = [{}]
+    used = 0
+    for name, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        if groups[-1] and used + size > limit:
+            groups.append({})
+            used = 0
+        groups[-1][name] = tensor
+        used += size
+    shard_files = [
+        f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))
+    ]
+    for shard, group in zip(shard_files, groups, strict=True):
+        safetensor_files.write(tmp / shard, group, {"format": "pt"})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {
+        "metadata": {"total_size": total},
+        "weight_map": {
+            key: shard for shard, group in zip(shard_files, groups, strict=True) for key in group
+        },
+    }
+    (tmp / safetensor_files.INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
 
 
 def _read(path: Path) -> dict[str, torch.Tensor]:
@@ -196,8 +194,7 @@ def _read(path: Path) -> dict[str, torch.Tensor]:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # an unpickling refusal names the global it would not run
         raise CheckpointError(
-            f"import_weights: cannot read {path} as torch.save weights ({type(error).__name__}: "
-            f"{str(error).splitlines()[0] if str(error) else ''})."
+            f"import_weights: cannot read {path} as torch.save weights ({error_line(error)})."
         ) from None
     if not isinstance(loaded, Mapping) or not all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in loaded.items()
@@ -222,18 +219,14 @@ def _mismatch(found: Mapping[str, torch.Tensor], wanted: Mapping[str, torch.Size
     )
     problems = []
     if missing:
-        problems.append(f"missing {_few(missing)}")
+        problems.append(f"missing {listing(missing, shown=5)}")
     if unexpected:
-        problems.append(f"not in the module {_few(unexpected)}")
+        problems.append(f"not in the module {listing(unexpected, shown=5)}")
     for key in shapes[:5]:
         problems.append(
             f"{key} is {list(found[key].shape)} in the file, {list(wanted[key])} in the module"
         )
     return "; ".join(problems) if problems else None
-
-
-def _few(keys: list[str]) -> str:
-    return ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
 
 
 def import_weights(path: str | os.PathLike[str], module: torch.nn.Module, ctx: Context) -> None:
