@@ -76,10 +76,6 @@ LEFT_DURING_COLLECTIVE = (
 )
 
 
-def _libc() -> Any:
-    return ctypes.CDLL(None, use_errno=True)
-
-
 def _arm_parent_death_signal() -> bool:
     """Ask Linux to SIGKILL this process when its parent dies; whether that is now set."""
     if not sys.platform.startswith("linux"):
@@ -87,7 +83,7 @@ def _arm_parent_death_signal() -> bool:
     # prctl is variadic and reads unsigned longs: pass them as such, and check the result.
     arguments = (ctypes.c_ulong(signal.SIGKILL), *(ctypes.c_ulong(0),) * 3)
     try:
-        return int(_libc().prctl(_PR_SET_PDEATHSIG, *arguments)) == 0
+        return int(ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, *arguments)) == 0
     except (OSError, AttributeError):
         return False
 
@@ -455,13 +451,11 @@ class SpawnedWorld:
                             raise _Interrupted(self.signalled.signum) from None  # not handled
                         raise died from None
                     continue
-                if kind == "preempted":  # it saved and raised Preempted: the others will too
-                    preempted[rank] = body[0]
-                    done_at[rank] = time.monotonic()
-                    continue
                 if kind == "error":
                     raise self._first_cause(rank, body, watching, results, done_at)
-                results[rank] = body[0]
+                # "preempted": it saved and raised Preempted, and the others will too.
+                kept = preempted if kind == "preempted" else results
+                kept[rank] = body[0]
                 done_at[rank] = time.monotonic()
         if preempted:
             raise Preempted(preempted[min(preempted)])  # 75 under SLURM, else 128 + signal

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import re
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import cast
 
@@ -170,17 +171,21 @@ def mark_left(arrivals: Arrivals | None, rank: int, how: str) -> None:
         arrivals.store.add(_key("left"), 1)
 
 
+def _last_seen(store: Store, rank: int, world_size: int) -> Iterator[tuple[int, str]]:
+    """Yield every other rank and the call it last signed in at (``""`` if it never did)."""
+    for other in range(world_size):
+        if other != rank:
+            key = _key("rank", other)
+            yield other, store.get(key).decode() if store.check([key]) else ""
+
+
 def _cannot_come(
     arrivals: Arrivals, what: str, call: str, rank: int, world_size: int
 ) -> CollectiveCallError | None:
     store, done = arrivals.store, _key(call, "all")
     left = store.add(_key("left"), 0) > 0  # one look, and the names only when someone left
     gone, elsewhere = [], []
-    for other in range(world_size):
-        key = _key("rank", other)
-        if other == rank:
-            continue
-        last = store.get(key).decode() if store.check([key]) else ""
+    for other, last in _last_seen(store, rank, world_size):
         if left and store.check([_key("left", other)]):
             how = store.get(_key("left", other)).decode()
             # Where it was when it left: its own error may reach the launcher after this one.
@@ -206,12 +211,8 @@ def _absent(
     if store.check([done]):  # the last rank came just after the deadline
         return None
     missing, seen = [], []
-    for other in range(world_size):
-        if other == rank:
-            continue
-        key = _key("rank", other)
-        last = store.get(key).decode() if store.check([key]) else None
-        if last is None or not last.endswith(f"({call})"):
+    for other, last in _last_seen(store, rank, world_size):
+        if not last.endswith(f"({call})"):
             missing.append(other)
             seen.append(
                 f"rank {other}: last seen at {last}" if last else f"rank {other}: never seen"

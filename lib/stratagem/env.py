@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Literal, get_args
 
@@ -433,10 +433,10 @@ def _require(environ: Mapping[str, str], names: tuple[str, ...], launcher: str) 
         )
 
 
-def _checked(build: Callable[[], Env], environ: Mapping[str, str], names: Sequence[str]) -> Env:
-    """Build an Env, restating a contradiction in terms of the variables (of ``names``) set."""
+def _checked(environ: Mapping[str, str], names: Sequence[str], **fields: Any) -> Env:
+    """Return ``Env(**fields)``; a contradiction is restated with the variables of ``names`` set."""
     try:
-        return build()
+        return Env(**fields)
     except EnvError as error:
         shown = ", ".join(f"{name}={environ[name]!r}" for name in names if name in environ)
         raise EnvError(f"contradictory environment ({shown}): {error}") from None
@@ -446,24 +446,18 @@ def _torchrun(environ: Mapping[str, str]) -> Env:
     names = ("RANK", "WORLD_SIZE")
     _require(environ, names, "torchrun")
     rank, world_size = _int(environ, "RANK"), _int(environ, "WORLD_SIZE")
-    local_rank = _int(environ, "LOCAL_RANK", default=rank)
-    local_world_size = _int(environ, "LOCAL_WORLD_SIZE", default=world_size)
-    node_rank = _int(environ, "GROUP_RANK", default=0)
-    port = _int(environ, "MASTER_PORT", default=29500)
     return _checked(
-        lambda: Env(
-            rank=rank,
-            local_rank=local_rank,
-            world_size=world_size,
-            local_world_size=local_world_size,
-            node_rank=node_rank,
-            master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=port,
-            source="torchrun",
-            agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
-        ),
         environ,
         (*names, "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+        rank=rank,
+        local_rank=_int(environ, "LOCAL_RANK", default=rank),
+        world_size=world_size,
+        local_world_size=_int(environ, "LOCAL_WORLD_SIZE", default=world_size),
+        node_rank=_int(environ, "GROUP_RANK", default=0),
+        master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=_int(environ, "MASTER_PORT", default=29500),
+        source="torchrun",
+        agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
     )
 
 
@@ -530,19 +524,17 @@ def _slurm(environ: Mapping[str, str]) -> Env:
         )
     addr = environ.get("MASTER_ADDR") or _slurm_first_host(environ["SLURM_NODELIST"])
     return _checked(
-        lambda: Env(
-            rank=rank,
-            local_rank=local_rank,
-            world_size=world_size,
-            local_world_size=local_world_size,
-            node_rank=node_rank,
-            master_addr=addr,
-            master_port=port,
-            source="slurm",
-            agent_store=False,
-        ),
         environ,
         (*names, "SLURM_NODEID", "SLURM_NTASKS_PER_NODE"),
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        local_world_size=local_world_size,
+        node_rank=node_rank,
+        master_addr=addr,
+        master_port=port,
+        source="slurm",
+        agent_store=False,
     )
 
 

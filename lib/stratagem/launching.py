@@ -29,23 +29,13 @@ import torch.distributed as dist
 from stratagem._processes import SpawnedWorld, pack, ran, refuse_launch_at_import, rendezvous
 from stratagem.devices import asked_device, warn_fallback
 from stratagem.env import detect_env, host_group
-from stratagem.errors import CombinatorError, LaunchError, UsageError, describe
+from stratagem.errors import CombinatorError, LaunchError, UsageError
 from stratagem.strategy import Strategy, StrategyLike, not_a_strategy
-from stratagem.validators import MAX_SECONDS, positive_number
+from stratagem.validators import MAX_SECONDS, is_int, positive_number, require
 
 __all__ = ["Spawn", "check_field_arguments", "in_place", "launch", "spawned"]
 
 R = TypeVar("R")
-
-
-def _check_devices(devices: object) -> int | Literal["auto"]:
-    if isinstance(devices, str) and devices == "auto":
-        return "auto"
-    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
-        raise UsageError(
-            f"launch: 'devices' must be a positive int or 'auto' (got {describe(devices)})."
-        )
-    return devices
 
 
 def check_field_arguments(fn: object, devices: object, args: object) -> None:
@@ -55,15 +45,11 @@ def check_field_arguments(fn: object, devices: object, args: object) -> None:
         UsageError: ``fn`` is not callable, ``devices`` not a positive int, or
             ``args`` not a tuple or list.
     """
-    if not callable(fn):
-        raise UsageError(f"launch: 'fn' must be callable (got {describe(fn)}).")
-    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
-        raise UsageError(
-            f"launch: 'devices' must be a positive int (got {describe(devices)}); "
-            "stratagem.launch also accepts 'auto'."
-        )
-    if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
-        raise UsageError(f"launch: 'args' must be a tuple or list (got {describe(args)}).")
+    require(callable(fn), "launch: 'fn'", "callable", fn)
+    hint = "; stratagem.launch also accepts 'auto'"
+    require(is_int(devices, 1), "launch: 'devices'", "a positive int", devices, hint=hint)
+    sequence = isinstance(args, Sequence) and not isinstance(args, (str, bytes))
+    require(sequence, "launch: 'args'", "a tuple or list", args)
 
 
 def launch(
@@ -106,13 +92,13 @@ def launch(
     """
     if not isinstance(strategy, StrategyLike):
         raise UsageError(not_a_strategy(strategy, "launch"))
-    checked = _check_devices(devices)
-    if checked == "auto":
+    if isinstance(devices, str) and devices == "auto":
         env = detect_env(os.environ)
-        checked = env.local_world_size if env.is_distributed else 1
+        devices = env.local_world_size if env.is_distributed else 1
+    require(is_int(devices, 1), "launch: 'devices'", "a positive int or 'auto'", devices)
     # Checked here too, not only in the built-in launch fields: a user's field may not.
-    check_field_arguments(fn, checked, args)
-    return strategy.launch(fn, strategy, checked, tuple(args))
+    check_field_arguments(fn, devices, args)
+    return strategy.launch(fn, strategy, devices, tuple(args))
 
 
 def in_place(
@@ -219,11 +205,8 @@ def spawned(strategy: Strategy, start: Spawn | None = None) -> Strategy:
         raise UsageError(not_a_strategy(strategy, "spawned"))
     if start is None:
         start = Spawn()
-    if not isinstance(start, Spawn):
-        raise UsageError(
-            f"spawned: 'start' must be None or a Spawn (got {describe(start)}), e.g. "
-            "Spawn(stop_grace=10)."
-        )
+    hint = ", e.g. Spawn(stop_grace=10)"
+    require(isinstance(start, Spawn), "spawned: 'start'", "None or a Spawn", start, hint=hint)
     if isinstance(strategy.launch, Spawn):
         raise CombinatorError(
             f"spawned: {strategy.name!r} already starts its own ranks; pass the strategy "

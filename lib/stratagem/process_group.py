@@ -28,8 +28,8 @@ from stratagem import pending
 from stratagem.arrivals import DEFAULT_TIMEOUT, Arrivals, check_arrival_timeout
 from stratagem.devices import DeviceSpec, check_device_spec, resolve_device
 from stratagem.env import Context, Env, check_context, check_env
-from stratagem.errors import LaunchError, UsageError, describe
-from stratagem.validators import MAX_SECONDS, positive_number
+from stratagem.errors import LaunchError, UsageError
+from stratagem.validators import MAX_SECONDS, positive_number, require
 
 __all__ = [
     "BACKENDS",
@@ -59,15 +59,19 @@ BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
 
 
 def _to_timedelta(value: float | timedelta) -> timedelta:
-    if isinstance(value, timedelta):
-        return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise UsageError(
-            f"'timeout' must be seconds (a number) or a datetime.timedelta (got {describe(value)})."
-        )
-    if not -MAX_SECONDS <= value <= MAX_SECONDS:  # NaN, infinity: timedelta cannot hold them
-        raise UsageError(_timeout_range(f"{value} seconds"))
-    return timedelta(seconds=value)
+    """Return ``value`` (seconds, or a timedelta) as a timedelta of at most `MAX_SECONDS`."""
+    if not isinstance(value, timedelta):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        wanted = "seconds (a number) or a datetime.timedelta"
+        require(number, "'timeout'", wanted, value)
+        if not -MAX_SECONDS <= value <= MAX_SECONDS:  # NaN, infinity: timedelta cannot hold them
+            raise UsageError(_timeout_range(f"{value} seconds"))
+        value = timedelta(seconds=value)
+    # gloo refuses larger values (a negative count after conversion) deep inside init;
+    # the same bound for every backend, as no real collective should wait 11 days.
+    if not 0 < value.total_seconds() <= MAX_SECONDS:
+        raise UsageError(_timeout_range(f"{value.total_seconds()} seconds"))
+    return value
 
 
 def _timeout_range(shown: str) -> str:
@@ -75,15 +79,6 @@ def _timeout_range(shown: str) -> str:
         f"'timeout' must be positive and at most {MAX_SECONDS} seconds (got {shown}); "
         "a collective that waits longer has hung."
     )
-
-
-def _positive_timeout(
-    instance: object, attribute: attrs.Attribute[timedelta], value: timedelta
-) -> None:
-    # gloo refuses larger values (a negative count after conversion) deep inside init;
-    # the same bound for every backend, as no real collective should wait 11 days.
-    if not 0 < value.total_seconds() <= MAX_SECONDS:
-        raise UsageError(_timeout_range(f"{value.total_seconds()} seconds"))
 
 
 def _backend_names() -> tuple[str, ...]:
@@ -109,13 +104,10 @@ def check_backend(value: object, argument: str = "backend") -> str | None:
         f"None, one of {', '.join(map(repr, names))}, or device:backend pairs such as "
         "'cpu:gloo,cuda:nccl'"
     )
-    if not isinstance(value, str):
-        raise UsageError(f"'{argument}' must be {forms} (got {describe(value)}).")
-    text = value.strip().lower()
+    text = value.strip().lower() if isinstance(value, str) else ""
+    require(":" in text or text in names, f"'{argument}'", forms, value)
     if ":" not in text:
-        if text in names:
-            return text
-        raise UsageError(f"'{argument}' must be {forms} (got {describe(value)}).")
+        return text
     devices: list[str] = []
     pairs: list[str] = []
     for pair in text.split(","):
@@ -212,9 +204,7 @@ class JoinProcessGroup:
 
     device: DeviceSpec = attrs.field(default="auto", converter=check_device_spec)
     backend: str | None = attrs.field(default=None, converter=check_backend)
-    timeout: timedelta = attrs.field(
-        default=timedelta(minutes=30), converter=_to_timedelta, validator=_positive_timeout
-    )
+    timeout: timedelta = attrs.field(default=timedelta(minutes=30), converter=_to_timedelta)
     arrival_timeout: float = attrs.field(default=DEFAULT_TIMEOUT, converter=check_arrival_timeout)
     join_timeout: float = attrs.field(default=DEFAULT_JOIN_TIMEOUT, validator=_JOIN_TIMEOUT)
 

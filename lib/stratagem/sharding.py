@@ -41,6 +41,7 @@ from stratagem.validators import (
     non_negative_int,
     positive_int,
     rank_and_world,
+    require,
 )
 
 __all__ = [
@@ -415,11 +416,7 @@ class ShardedLoader:
                 restored in the middle of another epoch.
         """
         epoch = _index(epoch)  # type: ignore[assignment]
-        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
-            raise UsageError(
-                f"ShardedLoader.set_epoch: 'epoch' must be a non-negative int "
-                f"(got {describe(epoch)})."
-            )
+        require(is_int(epoch, 0), "ShardedLoader.set_epoch: 'epoch'", "a non-negative int", epoch)
         self._take_choice()  # an earlier choice on the sampler; this later one wins
         self._choose(epoch)
 
@@ -510,21 +507,16 @@ class ShardedLoader:
         Raises:
             UsageError: ``state`` is not such a position.
         """
-        if not isinstance(state, Mapping):
-            raise UsageError(
-                "ShardedLoader.load_state_dict: 'state' must be the mapping state_dict returned "
-                f"(got {describe(state)})."
-            )
+        label = "ShardedLoader.load_state_dict: 'state'"
+        require(isinstance(state, Mapping), label, "the mapping state_dict returned", state)
         epoch, consumed = state.get("epoch"), state.get("consumed")
-        if not all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (epoch, consumed)
-        ):
+        if not (is_int(epoch, 0) and is_int(consumed, 0)):
             raise UsageError(
-                "ShardedLoader.load_state_dict: 'state' must hold non-negative ints 'epoch' and "
-                f"'consumed' (got {describe(dict(state))})."
+                f"{label} must hold non-negative ints 'epoch' and 'consumed' "
+                f"(got {describe(dict(state))})."
             )
         self._choice()  # an epoch set before the position is restored gives way to it
-        self.epoch, self._start, self._pass = epoch, consumed, None  # type: ignore[assignment]
+        self.epoch, self._start, self._pass = epoch, consumed, None
 
 
 def _seed_of(loader: DataLoader[Any]) -> int:
@@ -675,9 +667,7 @@ def keep_loader(loader: Iterable[T], ctx: Context) -> Iterable[T]:
             dataset (as on N ranks), or ``ctx`` is not a `Context`.
     """
     check_context(ctx, "shard")
-    if not (hasattr(loader, "__iter__") or hasattr(loader, "__getitem__")):
-        raise UsageError(
-            f"shard: 'loader' must be iterable, e.g. a torch DataLoader (got {describe(loader)})."
-        )
+    iterable = hasattr(loader, "__iter__") or hasattr(loader, "__getitem__")
+    require(iterable, "shard: 'loader'", "iterable, e.g. a torch DataLoader", loader)
     check_not_empty(loader)
     return loader

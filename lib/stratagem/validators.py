@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 from stratagem.errors import UsageError, describe
 
@@ -21,6 +21,7 @@ __all__ = [
     "a_bool",
     "callable_field",
     "choice",
+    "decision",
     "field",
     "instance_of",
     "is_int",
@@ -36,7 +37,7 @@ Validator = Callable[[Any, Any, Any], None]
 """An attrs validator: ``(instance, attribute, value) -> None``."""
 
 
-def is_int(value: object, minimum: int | None = None) -> bool:
+def is_int(value: object, minimum: int | None = None) -> TypeGuard[int]:
     """Whether ``value`` is an int (not a bool) of at least ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, int):
         return False
@@ -70,6 +71,24 @@ def require(
     """Raise ``error`` saying ``label must be what (got value)hint.`` unless ``ok``."""
     if not ok:
         raise error(f"{label} must be {what} (got {describe(value)}){hint}.")
+
+
+def decision(
+    policy: Callable[[Any], object], module: Any, who: str, name: str | None = None
+) -> bool:
+    """Return ``policy(module)``; ``who`` names the policy, ``name`` the module's path if known.
+
+    Raises:
+        UsageError: ``policy`` returned something other than True or False.
+    """
+    answer = policy(module)
+    if not isinstance(answer, bool):
+        kind = f"a {type(module).__name__}"
+        raise UsageError(
+            f"wrap: {who} must return True or False, but returned {describe(answer)} for "
+            f"{kind if name is None else f'{name!r} ({kind})'}."
+        )
+    return answer
 
 
 def field(
@@ -168,7 +187,7 @@ def rank_and_world(owner: str) -> tuple[Validator, Validator]:
     rank_is_count, world_is_positive = non_negative_int(owner), positive_int(owner)
 
     def below(rank: object, world: object) -> None:
-        if is_int(rank) and is_int(world) and 0 < world <= rank:  # type: ignore[operator]
+        if is_int(rank) and is_int(world) and 0 < world <= rank:
             raise UsageError(
                 f"{owner.format(name='rank')} must be below world_size "
                 f"(got rank={rank}, world_size={world})."
