@@ -137,6 +137,13 @@ def describe(value: object) -> str:
     return f"{text}, {article} {kind}"
 
 
+def with_submodules(module: Any) -> str:
+    """Return ``module``'s type with its first submodule paths, for a message about a bad path."""
+    names = [name for name, _ in module.named_modules() if name]
+    shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
+    return f"{type(module).__name__} (its submodules: {shown})"
+
+
 REQUEUE = 75
 """Exit code of a preempted run under SLURM (``EX_TEMPFAIL``: "try again"); the sbatch recipe
 in docs/launching.md requeues the job when ``srun`` returns it."""

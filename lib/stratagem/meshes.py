@@ -27,6 +27,7 @@ __all__ = [
     "flattened_data_mesh",
     "mesh_dims",
     "mesh_shape",
+    "mesh_with",
 ]
 
 DEFAULT_NAMES = MeshNames()
@@ -190,6 +191,22 @@ def flattened_data_mesh(mesh: DeviceMesh, names: MeshNames, beside: str) -> Devi
     return every._unflatten(  # noqa: SLF001
         0, (replicas, every.size() // replicas), (names.replicate, flat)
     )
+
+
+def mesh_with(ctx: Context, dim: str, field: str, strategy: str) -> DeviceMesh:
+    """Return ``ctx``'s mesh, refusing one without the dimension ``dim``.
+
+    Raises:
+        UsageError: ``ctx`` has no such mesh: it is not what ``strategy``'s
+            setup returned (``field`` names the field that needs it).
+    """
+    mesh: DeviceMesh | None = ctx.mesh
+    if mesh is None or dim not in (mesh.mesh_dim_names or ()):
+        raise UsageError(
+            f"{field}: ctx has no mesh with a {dim!r} dimension; pass the Context that the "
+            f"{strategy} strategy's setup returned."
+        )
+    return mesh
 
 
 @attrs.frozen(kw_only=True)

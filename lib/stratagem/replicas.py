@@ -8,7 +8,7 @@ built on. Tensors travel in fused buckets, as bytes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
@@ -29,9 +29,11 @@ from stratagem.validators import is_int, require
 __all__ = [
     "broadcast_optimizer_state",
     "broadcast_tensors",
+    "bucketed",
     "buckets",
     "check_same_layout",
     "check_writable",
+    "copy_rank0",
     "flatten",
     "unflatten",
 ]
@@ -61,17 +63,28 @@ def buckets(tensors: Sequence[torch.Tensor], cap_bytes: float) -> list[list[int]
     return done + [members for members, _ in filling.values()]
 
 
-def broadcast_tensors(tensors: Sequence[torch.Tensor], ctx: Context, src: int) -> None:
-    """Overwrite ``tensors`` with rank ``src``'s values, one broadcast per bucket."""
+def bucketed(
+    tensors: Sequence[torch.Tensor], cap_bytes: float, collective: Callable[[torch.Tensor], None]
+) -> None:
+    """Run ``collective`` in place on each bucket of ``tensors``, flattened; copy it back."""
     with torch.no_grad():
-        for bucket in buckets(tensors, _BROADCAST_BUCKET_BYTES):
+        for bucket in buckets(tensors, cap_bytes):
             members = [tensors[i] for i in bucket]
             flat = flatten(members)
-            # As bytes: a copy needs no arithmetic, and gloo lacks some dtypes (bool, int16).
-            dist.broadcast(flat.view(torch.uint8), src=src, group=group_for(flat, ctx))
-            # The source copies too (its own values): no branch on the rank, so the same code
-            # runs where one process is every rank (torch's LocalTensorMode, the kit's laws).
+            collective(flat)
             torch._foreach_copy_(members, unflatten(flat, members))
+
+
+def broadcast_tensors(tensors: Sequence[torch.Tensor], ctx: Context, src: int) -> None:
+    """Overwrite ``tensors`` with rank ``src``'s values, one broadcast per bucket."""
+
+    def send(flat: torch.Tensor) -> None:
+        # As bytes: a copy needs no arithmetic, and gloo lacks some dtypes (bool, int16).
+        dist.broadcast(flat.view(torch.uint8), src=src, group=group_for(flat, ctx))
+
+    # The source copies too (its own values): no branch on the rank, so the same code runs
+    # where one process is every rank (torch's LocalTensorMode, the kit's laws).
+    bucketed(tensors, _BROADCAST_BUCKET_BYTES, send)
 
 
 def _layout(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:
@@ -120,6 +133,20 @@ def check_same_layout(module: torch.nn.Module, ctx: Context) -> None:
             f"rank 0's (first difference on rank {ctx.rank}: {here}, as (name, shape, dtype, "
             "requires_grad)); build the same model on every rank before wrap."
         )
+
+
+def copy_rank0(module: torch.nn.Module, ctx: Context) -> None:
+    """Give every rank rank 0's parameters and buffers, once the ranks' modules match.
+
+    Ranks that built the module from different random seeds leave with
+    identical weights; a world of one has nothing to copy.
+
+    Raises:
+        UsageError: the ranks' modules differ (`check_same_layout`, on every rank).
+    """
+    if is_distributed(ctx):
+        check_same_layout(module, ctx)
+        broadcast_tensors([*module.parameters(), *module.buffers()], ctx, src=0)
 
 
 @attrs.frozen

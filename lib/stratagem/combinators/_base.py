@@ -22,9 +22,11 @@ from stratagem.layers import peel, rebased
 from stratagem.meshes import JoinMesh
 from stratagem.optimizer_hooks import root_optimizer
 from stratagem.strategy import Strategy, applied, not_a_strategy
+from stratagem.validators import decision
 
 __all__ = [
     "CombinatorError",
+    "check_once",
     "check_strategy",
     "gradients",
     "mesh_under",
@@ -50,13 +52,7 @@ def outermost_picks(
     for name, child in module.named_modules():
         if not name or any(name.startswith(f"{p}.") for p in picked):
             continue
-        decision = policy(child)
-        if not isinstance(decision, bool):
-            raise UsageError(
-                f"wrap: {who} must return True or False, but returned {describe(decision)} "
-                f"for {name!r} (a {type(child).__name__})."
-            )
-        if decision:
+        if decision(policy, child, who, name):
             picked.append(name)
             found.append(child)
     return found
@@ -73,6 +69,18 @@ def check_strategy(strategy: object, combinator: str) -> Strategy:
     return strategy
 
 
+def check_once(
+    strategy: Strategy, layer: type, combinator: str, state: str, fix: str = "apply it once"
+) -> None:
+    """Refuse a combinator applied twice: ``layer`` (its own) is already in ``strategy``.
+
+    Raises:
+        CombinatorError: "<combinator>: strategy <name> <state>; <fix>."
+    """
+    if applied(strategy, layer) is not None:
+        raise CombinatorError(f"{combinator}: strategy {strategy.name!r} {state}; {fix}.")
+
+
 def mesh_under(
     strategy: Strategy, combinator: str, layer: type, not_on_a_mesh: str
 ) -> tuple[list[Any], JoinMesh]:
@@ -86,11 +94,7 @@ def mesh_under(
             the setup builds no mesh (``not_on_a_mesh``, formatted with the
             strategy's ``name`` and its ``setup``).
     """
-    if applied(strategy, layer) is not None:
-        raise CombinatorError(
-            f"{combinator}: strategy {strategy.name!r} is already "
-            f"{combinator.replace('_', ' ')}; apply it once."
-        )
+    check_once(strategy, layer, combinator, f"is already {combinator.replace('_', ' ')}")
     layers, joins = peel(strategy.setup)
     if not isinstance(joins, JoinMesh):
         raise CombinatorError(not_on_a_mesh.format(name=strategy.name, setup=describe(joins)))

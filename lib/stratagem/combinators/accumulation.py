@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Literal
 import attrs
 import torch
 
-from stratagem.combinators._base import CombinatorError, check_strategy
+from stratagem.combinators._base import CombinatorError, check_once, check_strategy
 from stratagem.env import Context, Env, check_context, check_env
 from stratagem.errors import UsageError, describe
 from stratagem.fields import (
@@ -282,10 +282,7 @@ def accumulate(strategy: Strategy, every: Every, *, normalize: Normalize = "mean
     every = _check_every(every)
     known = isinstance(normalize, str) and normalize in ("mean", "sum", "count")
     require(known, "accumulate: 'normalize'", "'mean', 'sum' or 'count'", normalize)
-    if applied(strategy, AccumulationUpdate) is not None:
-        raise CombinatorError(
-            f"accumulate: strategy {strategy.name!r} already accumulates; apply it once."
-        )
+    check_once(strategy, AccumulationUpdate, "accumulate", "already accumulates")
     in_step = applied(strategy, BackwardInStep)
     if in_step is not None:
         more = in_step.microbatches * every if isinstance(every, int) else "more"

@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 
 from stratagem.collectives import expect_everyone
-from stratagem.combinators._base import CombinatorError, check_strategy
+from stratagem.combinators._base import check_once, check_strategy
 from stratagem.env import Context, check_context, host_group
 from stratagem.errors import CollectiveMismatchError
 from stratagem.fields import BarrierFn, BroadcastFn, GatherFn, ReduceFn, ReduceOp
-from stratagem.strategy import Strategy, applied
+from stratagem.strategy import Strategy
 from stratagem.validators import require
 
 __all__ = [
@@ -232,10 +232,7 @@ def checked(strategy: Strategy, *, compare_sites: bool = True) -> Strategy:
     require(
         isinstance(compare_sites, bool), "checked: 'compare_sites'", "True or False", compare_sites
     )
-    if applied(strategy, CheckedReduce) is not None:
-        raise CombinatorError(
-            f"checked: strategy {strategy.name!r} is already checked; apply checked once."
-        )
+    check_once(strategy, CheckedReduce, "checked", "is already checked", "apply checked once")
     return attrs.evolve(
         strategy,
         name=f"{strategy.name}+checked",

@@ -24,11 +24,11 @@ from typing import Any
 import attrs
 import torch
 
-from stratagem.combinators._base import CombinatorError, check_strategy, outermost_picks
+from stratagem.combinators._base import check_once, check_strategy, outermost_picks
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
 from stratagem.fields import WrapFn
-from stratagem.strategy import Strategy, applied
+from stratagem.strategy import Strategy
 from stratagem.validators import require
 
 __all__ = ["CheckpointPolicy", "CheckpointWrap", "with_activation_checkpointing"]
@@ -131,10 +131,7 @@ def with_activation_checkpointing(
         "a function module -> bool (e.g. sg.every_module_of(MyBlock))",
         policy,
     )
-    if applied(strategy, CheckpointWrap) is not None:
-        raise CombinatorError(
-            f"with_activation_checkpointing: strategy {strategy.name!r} already checkpoints "
-            "activations; apply it once, with one policy."
-        )
+    already, fix = "already checkpoints activations", "apply it once, with one policy"
+    check_once(strategy, CheckpointWrap, "with_activation_checkpointing", already, fix)
     wrap = CheckpointWrap(strategy.wrap, policy, _op_names(save))
     return attrs.evolve(strategy, name=f"{strategy.name}+checkpointing", wrap=wrap)

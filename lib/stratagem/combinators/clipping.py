@@ -11,14 +11,14 @@ from typing import Any
 import attrs
 import torch
 
-from stratagem.combinators._base import CombinatorError, check_strategy
+from stratagem.combinators._base import check_once, check_strategy
 from stratagem.env import Context, Env, check_context
 from stratagem.errors import UsageError
 from stratagem.fields import SetupFn, UpdateFn
 from stratagem.optimizer_hooks import OptimizerHook, root_optimizer
 from stratagem.parts import part_of
 from stratagem.precisions import precision_of
-from stratagem.strategy import Strategy, applied
+from stratagem.strategy import Strategy
 from stratagem.training import (
     check_not_inside,
     check_optimizer,
@@ -189,10 +189,7 @@ def with_clipping(
     # inf is a norm too (the largest entry): only NaN and what is not above 0 are refused.
     positive = is_number(norm_type, above=0, finite=False)
     require(positive, "with_clipping: 'norm_type'", "positive", norm_type)
-    if applied(strategy, ClipUpdate) is not None:
-        raise CombinatorError(
-            f"with_clipping: strategy {strategy.name!r} is already clipped; apply it once."
-        )
+    check_once(strategy, ClipUpdate, "with_clipping", "is already clipped")
     return attrs.evolve(
         strategy,
         name=f"{strategy.name}+clip",

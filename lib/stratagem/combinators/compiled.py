@@ -22,11 +22,11 @@ from typing import Any, cast
 import attrs
 import torch
 
-from stratagem.combinators._base import CombinatorError, check_strategy, outermost_picks
+from stratagem.combinators._base import check_once, check_strategy, outermost_picks
 from stratagem.env import Context
 from stratagem.errors import UsageError, describe
 from stratagem.fields import WrapFn
-from stratagem.strategy import Strategy, applied
+from stratagem.strategy import Strategy
 
 __all__ = ["CompiledWrap", "compiled"]
 
@@ -145,10 +145,7 @@ def compiled(
         CombinatorError: the strategy is already compiled.
     """
     check_strategy(strategy, "compiled")
-    if applied(strategy, CompiledWrap) is not None:
-        raise CombinatorError(
-            f"compiled: strategy {strategy.name!r} is already compiled; apply compiled once."
-        )
+    check_once(strategy, CompiledWrap, "compiled", "is already compiled", "apply compiled once")
     if blocks is not None and not callable(blocks):
         raise UsageError(
             f"compiled: 'blocks' must be a function module -> bool or None (got "

@@ -49,6 +49,7 @@ from stratagem.combinators._base import (
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError
 from stratagem.fields import ForwardFn, StepFn
+from stratagem.meshes import mesh_with
 from stratagem.strategy import Strategy
 from stratagem.trees import map_tensors, tensors_in
 from stratagem.validators import is_int, require
@@ -256,12 +257,8 @@ class ContextParallelStep:
         *,
         forward: ForwardFn | None = None,
     ) -> Any:
-        mesh, cp = check_context(ctx, "step").mesh, ctx.mesh_names.cp
-        if mesh is None or cp not in (mesh.mesh_dim_names or ()):
-            raise UsageError(
-                f"step: ctx has no mesh with a {cp!r} dimension; pass the Context that the "
-                "context_parallel strategy's setup returned."
-            )
+        cp = check_context(ctx, "step").mesh_names.cp
+        mesh = mesh_with(ctx, cp, "step", "context_parallel")
         group_mesh = mesh[cp]
         size, rank = group_mesh.size(), group_mesh.get_local_rank()
         length = self._length(batch, size)

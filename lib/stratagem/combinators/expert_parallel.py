@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import attrs
 import torch
 
-from stratagem.collectives import is_distributed
 from stratagem.combinators._base import (
     CombinatorError,
     check_strategy,
@@ -47,8 +46,9 @@ from stratagem.combinators._base import (
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
 from stratagem.fields import WrapFn
+from stratagem.meshes import mesh_with
 from stratagem.precisions import precision_of
-from stratagem.replicas import broadcast_tensors, check_same_layout
+from stratagem.replicas import copy_rank0
 from stratagem.strategy import Strategy
 from stratagem.validators import is_int, require
 
@@ -213,22 +213,15 @@ class ExpertParallelWrap:
         from torch.distributed.fsdp import fully_shard
 
         require(isinstance(module, torch.nn.Module), "wrap: 'module'", "a torch.nn.Module", module)
-        mesh = check_context(ctx, "wrap").mesh
-        names = ctx.mesh_names
-        if mesh is None or names.ep not in (mesh.mesh_dim_names or ()):
-            raise UsageError(
-                f"wrap: ctx has no mesh with a {names.ep!r} dimension; pass the Context that "
-                "the expert_parallel strategy's setup returned."
-            )
+        names = check_context(ctx, "wrap").mesh_names
+        mesh = mesh_with(ctx, names.ep, "wrap", "expert_parallel")
         picked = outermost_picks(module, self.experts, "expert_parallel's experts policy")
         if not picked:
             raise UsageError(
                 f"wrap: expert_parallel's experts policy {self.experts!r} picks no submodule of "
                 f"{type(module).__name__}; pick the module that holds the stacked experts."
             )
-        if is_distributed(ctx):  # every group splits the same experts
-            check_same_layout(module, ctx)
-            broadcast_tensors([*module.parameters(), *module.buffers()], ctx, src=0)
+        copy_rank0(module, ctx)  # every group splits the same experts
         ep = mesh[names.ep]
         state = precision_of(ctx)
         policy = None if state is None else state.fsdp_policy()

@@ -26,12 +26,12 @@ from typing import Any, ClassVar, Literal, get_args
 import attrs
 import torch
 
-from stratagem.combinators._base import CombinatorError, check_strategy
+from stratagem.combinators._base import check_once, check_strategy
 from stratagem.env import Context, check_context
-from stratagem.errors import UsageError, describe
+from stratagem.errors import UsageError
 from stratagem.fields import WrapFn
-from stratagem.strategy import Strategy, applied
-from stratagem.validators import require
+from stratagem.strategy import Strategy
+from stratagem.validators import decision, require
 
 __all__ = ["Float8Recipe", "Float8Wrap", "float8_linears", "with_float8"]
 
@@ -104,18 +104,13 @@ class Float8Wrap:
             float8.Float8LinearConfig.from_recipe_name(self.recipe), emulate=emulate
         )
         float8.convert_to_float8_training(
-            module, config=config, module_filter_fn=lambda child, name: self._picks(child, name)
+            module,
+            config=config,
+            module_filter_fn=lambda child, name: decision(
+                self.policy, child, "with_float8's policy", name
+            ),
         )
         return self.inner(module, ctx)
-
-    def _picks(self, child: torch.nn.Module, name: str) -> bool:
-        decision = self.policy(child)
-        if not isinstance(decision, bool):
-            raise UsageError(
-                f"wrap: with_float8's policy must return True or False, but returned "
-                f"{describe(decision)} for {name!r} (a {type(child).__name__})."
-            )
-        return decision
 
 
 def with_float8(
@@ -164,9 +159,6 @@ def with_float8(
     require(ok, "with_float8: 'emulate'", "None (by device), True or False", emulate)
     if importlib.util.find_spec("torchao") is None:  # before any rank starts, without importing
         raise UsageError(MISSING)
-    if applied(strategy, Float8Wrap) is not None:
-        raise CombinatorError(
-            f"with_float8: strategy {strategy.name!r} already trains in float8; apply it once."
-        )
+    check_once(strategy, Float8Wrap, "with_float8", "already trains in float8")
     wrap = Float8Wrap(strategy.wrap, modules, recipe, emulate)
     return attrs.evolve(strategy, name=f"{strategy.name}+float8", wrap=wrap)

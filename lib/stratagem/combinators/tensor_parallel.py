@@ -19,13 +19,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import attrs
 import torch
 
-from stratagem.collectives import is_distributed
 from stratagem.combinators._base import CombinatorError, check_strategy
 from stratagem.env import Context, check_context
-from stratagem.errors import UsageError, describe
+from stratagem.errors import UsageError, describe, with_submodules
 from stratagem.fields import WrapFn
-from stratagem.meshes import JoinMesh
-from stratagem.replicas import broadcast_tensors, check_same_layout
+from stratagem.meshes import JoinMesh, mesh_with
+from stratagem.replicas import copy_rank0
 from stratagem.strategy import Strategy
 from stratagem.validators import is_int, require
 
@@ -74,11 +73,9 @@ def _check_paths(plan: Mapping[str, Any], module: torch.nn.Module) -> None:
     names = [name for name, _ in module.named_modules() if name]
     missing = [p for p in plan if not any(fnmatch.fnmatchcase(n, p) for n in names)]
     if missing:
-        shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
         raise UsageError(
             f"wrap: the tensor-parallel plan names {missing}, which match no submodule of "
-            f"{type(module).__name__} (its submodules: {shown}); use their paths, as "
-            "model.named_modules() gives them."
+            f"{with_submodules(module)}; use their paths, as model.named_modules() gives them."
         )
 
 
@@ -101,18 +98,11 @@ class TensorParallelWrap:
         from torch.distributed.tensor.parallel import parallelize_module
 
         require(isinstance(module, torch.nn.Module), "wrap: 'module'", "a torch.nn.Module", module)
-        mesh: DeviceMesh | None = check_context(ctx, "wrap").mesh
-        tp = ctx.mesh_names.tp
-        if mesh is None or tp not in (mesh.mesh_dim_names or ()):
-            raise UsageError(
-                f"wrap: ctx has no mesh with a {tp!r} dimension; pass the Context that the "
-                "tensor_parallel strategy's setup returned."
-            )
+        tp = check_context(ctx, "wrap").mesh_names.tp
+        mesh = mesh_with(ctx, tp, "wrap", "tensor_parallel")
         if self.async_tp:
             _enable_async_tp(ctx, mesh[tp])
-        if is_distributed(ctx):
-            check_same_layout(module, ctx)
-            broadcast_tensors([*module.parameters(), *module.buffers()], ctx, src=0)
+        copy_rank0(module, ctx)
         if isinstance(self.plan, Mapping):
             _check_paths(self.plan, module)
             # Copies: parallelize_module writes into the styles it is given (src_data_rank).

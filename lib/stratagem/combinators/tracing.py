@@ -19,10 +19,10 @@ from typing import Any, ClassVar, cast
 
 import attrs
 
-from stratagem.combinators._base import CombinatorError, check_strategy
+from stratagem.combinators._base import check_once, check_strategy
 from stratagem.env import Context, Env
 from stratagem.errors import UsageError, describe
-from stratagem.strategy import FIELD_SIGNATURES, Strategy, applied
+from stratagem.strategy import FIELD_SIGNATURES, Strategy
 from stratagem.trees import tensors_in
 from stratagem.validators import instance_of, require
 
@@ -403,9 +403,6 @@ def traced(strategy: Strategy, sink: Sink) -> Strategy:
     check_strategy(strategy, "traced")
     hint = "; use sg.JsonLinesSink(path), sg.ChromeTraceSink(path) or sg.ListSink()"
     require(callable(sink), "traced: 'sink'", "callable as sink(event)", sink, hint=hint)
-    if applied(strategy, Traced) is not None:
-        raise CombinatorError(
-            f"traced: strategy {strategy.name!r} is already traced; apply traced once."
-        )
+    check_once(strategy, Traced, "traced", "is already traced", "apply traced once")
     changes = {name: Traced(getattr(strategy, name), sink, name) for name in FIELD_SIGNATURES}
     return attrs.evolve(strategy, name=f"{strategy.name}+traced", **changes)

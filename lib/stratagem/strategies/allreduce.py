@@ -29,11 +29,10 @@ import attrs
 import torch
 
 from stratagem import training
-from stratagem.collectives import is_distributed
 from stratagem.env import Context, check_context
 from stratagem.launching import Spawn, spawned
 from stratagem.process_group import WorldOptions
-from stratagem.replicas import broadcast_tensors, check_same_layout
+from stratagem.replicas import copy_rank0
 from stratagem.strategies.allreduce_buckets import COMPRESSIONS, Compression
 from stratagem.strategies.allreduce_hooks import average_gradients_overlapped, pause_hooks
 from stratagem.strategies.ddp import ddp
@@ -55,9 +54,7 @@ def broadcast_module(module: torch.nn.Module, ctx: Context) -> torch.nn.Module:
             (raised on every rank).
     """
     module = training.to_device(module, ctx)
-    if is_distributed(ctx):
-        check_same_layout(module, ctx)
-        broadcast_tensors([*module.parameters(), *module.buffers()], ctx, src=0)
+    copy_rank0(module, ctx)
     return module
 
 

@@ -137,22 +137,22 @@ def backward_buckets(params: list[torch.Tensor], bucket_mb: float) -> list[list[
     filling: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     sizes: dict[tuple[torch.device, torch.dtype], int] = {}
     closed: set[tuple[torch.device, torch.dtype]] = set()
+
+    def close(key: tuple[torch.device, torch.dtype]) -> None:
+        done.append(filling[key].copy())
+        filling[key].clear()
+        sizes[key] = 0
+        closed.add(key)
+
     for index in reversed(range(len(params))):
         tensor = params[index]
         key = (tensor.device, tensor.dtype)
-        members = filling.setdefault(key, [])
-        if members and sizes[key] + tensor.nbytes > cap:
-            done.append(members.copy())
-            members.clear()
-            sizes[key] = 0
-            closed.add(key)
-        members.append(index)
+        if filling.setdefault(key, []) and sizes[key] + tensor.nbytes > cap:
+            close(key)
+        filling[key].append(index)
         sizes[key] = sizes.get(key, 0) + tensor.nbytes
         if key not in closed and sizes[key] >= first:
-            done.append(members.copy())
-            members.clear()
-            sizes[key] = 0
-            closed.add(key)
+            close(key)
     plan = done + [members for members in filling.values() if members]
     return sorted(plan, key=lambda bucket: -bucket[0])
 

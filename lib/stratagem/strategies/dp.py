@@ -16,9 +16,9 @@ import torch
 from torch.nn.parallel import DataParallel
 
 from stratagem import training
-from stratagem.env import Context, Env, check_env
-from stratagem.errors import LaunchError, UsageError, describe
-from stratagem.strategies.single import single_device
+from stratagem.env import Context, Env
+from stratagem.errors import UsageError, describe
+from stratagem.strategies.single import check_one_process, single_device
 from stratagem.strategy import Strategy
 from stratagem.validators import is_int
 
@@ -44,11 +44,7 @@ class UseDataParallelDevices:
     device_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_device_ids)
 
     def __call__(self, env: Env) -> Context:
-        if check_env(env, "setup").world_size != 1:
-            raise LaunchError(
-                f"dp() drives every GPU from one process, but {env.source!r} started a world "
-                f"of {env.world_size}; use ddp() to train on all of them."
-            )
+        check_one_process(env, "dp() drives every GPU from one process")
         if self.device_ids is None:
             device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
             return Context(env=env, device=device)

@@ -16,7 +16,7 @@ import attrs
 import torch
 
 from stratagem.errors import UsageError, describe
-from stratagem.validators import callable_field, field, is_int
+from stratagem.validators import Validator, callable_field, field, is_int
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -27,6 +27,8 @@ __all__ = [
     "check_groups",
     "is_mp_policy",
     "is_reshard",
+    "mp_policy_field",
+    "reshard_field",
     "shard_group",
     "shard_groups",
 ]
@@ -57,6 +59,20 @@ def is_reshard(value: object) -> bool:
     return value is None or isinstance(value, bool) or is_int(value, 2)
 
 
+def reshard_field(owner: str) -> Validator:
+    """Return the validator of ``owner``'s ``reshard_after_forward`` (`is_reshard`)."""
+    return field(is_reshard, owner, "None, True, False or a shard group size of at least 2")
+
+
+def mp_policy_field(owner: str, hint: str = "") -> Validator:
+    """Return the validator of ``owner``'s ``mp_policy``, None allowed (`is_mp_policy`)."""
+    wanted = "a torch.distributed.fsdp.MixedPrecisionPolicy"
+    return field(is_mp_policy, owner, wanted, optional="None", hint=hint)
+
+
+_OWNER = "shard_group({name}=...)"
+
+
 @attrs.frozen
 class ShardGroup:
     """Modules that ``fully_shard`` makes one group (gathered together), and that group's options.
@@ -66,26 +82,15 @@ class ShardGroup:
 
     modules: tuple[str, ...] = attrs.field(validator=_names)
     reshard_after_forward: bool | int | None = attrs.field(
-        default=None,
-        validator=field(
-            is_reshard,
-            "shard_group({name}=...)",
-            "None, True, False or a shard group size of at least 2",
-        ),
+        default=None, validator=reshard_field(_OWNER)
     )
     mp_policy: MixedPrecisionPolicy | None = attrs.field(
-        default=None,
-        validator=field(
-            is_mp_policy,
-            "shard_group({name}=...)",
-            "a torch.distributed.fsdp.MixedPrecisionPolicy",
-            optional="None",
-        ),
+        default=None, validator=mp_policy_field(_OWNER)
     )
     shard_placement_fn: Callable[[torch.nn.Parameter], Any] | None = attrs.field(
         default=None,
         validator=callable_field(
-            "shard_group({name}=...)",
+            _OWNER,
             "a function parameter -> Shard or None",
             optional="None (shard dimension 0)",
         ),
@@ -180,10 +185,7 @@ def shard_groups(
     resolved = [(group, _resolved(module, group)) for group in ordered]
     for group, modules in resolved:
         own = dict(options)
-        if group.reshard_after_forward is not None:
-            own["reshard_after_forward"] = group.reshard_after_forward
-        if group.mp_policy is not None:
-            own["mp_policy"] = group.mp_policy
-        if group.shard_placement_fn is not None:
-            own["shard_placement_fn"] = group.shard_placement_fn
+        for name in ("reshard_after_forward", "mp_policy", "shard_placement_fn"):
+            if getattr(group, name) is not None:  # None: as fsdp() sets it for every group
+                own[name] = getattr(group, name)
         fully_shard(modules if len(modules) > 1 else modules[0], **own)

@@ -27,11 +27,18 @@ from stratagem.strategies.fsdp_groups import (
     ShardGroup,
     as_groups,
     check_groups,
-    is_mp_policy,
-    is_reshard,
+    mp_policy_field,
+    reshard_field,
     shard_groups,
 )
-from stratagem.validators import a_bool, callable_field, field, is_int, non_negative_int, require
+from stratagem.validators import (
+    a_bool,
+    callable_field,
+    decision,
+    is_int,
+    non_negative_int,
+    require,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -156,17 +163,9 @@ _POLICY = callable_field(
     optional="None (shard the root only)",
     hint="; e.g. every_module_of(MyBlock) or above_parameters(10**6)",
 )
-_RESHARD = field(
-    is_reshard,
-    "fsdp({name}=...)",
-    "None, True, False or a shard group size of at least 2",
-)
-_MP_POLICY = field(
-    is_mp_policy,
-    "fsdp({name}=...)",
-    "a torch.distributed.fsdp.MixedPrecisionPolicy",
-    optional="None",
-    hint=", e.g. MixedPrecisionPolicy(param_dtype=torch.bfloat16)",
+_RESHARD = reshard_field("fsdp({name}=...)")
+_MP_POLICY = mp_policy_field(
+    "fsdp({name}=...)", hint=", e.g. MixedPrecisionPolicy(param_dtype=torch.bfloat16)"
 )
 
 
@@ -267,7 +266,7 @@ class WrapFSDP:
         if self.shard_when is not None:
             # Post-order: a policy sees a module after its chosen descendants are sharded.
             for child in [m for m in _bottom_up(module) if _has_forward(m)]:
-                if _decide(self.shard_when, child):
+                if decision(self.shard_when, child, f"shard_when {self.shard_when!r}"):
                     fully_shard(child, **options)
         fully_shard(module, **options)
         return module
@@ -288,7 +287,7 @@ class WrapFSDP:
 
 
 def _check_reshard(reshard: object, shard_size: int, where: str) -> None:
-    if is_int(reshard, 2) and shard_size % reshard:  # type: ignore[operator]
+    if is_int(reshard, 2) and shard_size % reshard:
         raise UsageError(
             f"wrap: {where}(reshard_after_forward={reshard}) must divide the shard group's "
             f"size, {shard_size} rank(s) here; pass a factor of it, True or False."
@@ -329,13 +328,3 @@ def _copy_rank_zeros_states(module: torch.nn.Module, ctx: Context) -> None:
             dist.broadcast(travelling, src=0, group=group_for(travelling, ctx))
             if ctx.rank != 0:
                 tensor.copy_(travelling)
-
-
-def _decide(policy: ShardPolicy, module: torch.nn.Module) -> bool:
-    decision = policy(module)
-    if not isinstance(decision, bool):
-        raise UsageError(
-            f"wrap: shard_when {policy!r} must return True or False, but returned "
-            f"{describe(decision)} for a {type(module).__name__}."
-        )
-    return decision

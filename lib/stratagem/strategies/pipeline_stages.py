@@ -14,18 +14,18 @@ from __future__ import annotations
 import copy
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import torch
 
 from stratagem import training
-from stratagem.collectives import is_distributed
 from stratagem.env import Context, check_context
-from stratagem.errors import UsageError, describe
+from stratagem.errors import UsageError, describe, with_submodules
 from stratagem.fields import ForwardFn
+from stratagem.meshes import mesh_with
 from stratagem.parts import Part, hold_part
-from stratagem.replicas import broadcast_tensors, check_same_layout
+from stratagem.replicas import copy_rank0
 from stratagem.strategies.pipeline_loss import MicroLoss
 from stratagem.strategies.pipeline_schedules import (
     SCHEDULES,
@@ -37,9 +37,6 @@ from stratagem.strategies.pipeline_schedules import (
     stages_of_rank,
 )
 from stratagem.validators import require
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "NOT_A_PIPELINE_MODULE",
@@ -125,17 +122,14 @@ def check_split(module: torch.nn.Module, split: tuple[tuple[str, ...], ...]) -> 
         UsageError: a path names no submodule, or a parameter or buffer belongs
             to no stage or to two; the message lists the submodules there are.
     """
-    names = [name for name, _ in module.named_modules() if name]
     for index, paths in enumerate(split):
         for path in paths:
             try:
                 module.get_submodule(path)
             except AttributeError:
-                shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
                 raise UsageError(
                     f"pipeline: stages[{index}] names {path!r}, which is no submodule of "
-                    f"{type(module).__name__} (its submodules: {shown}); use paths as "
-                    "model.named_modules() gives them."
+                    f"{with_submodules(module)}; use paths as model.named_modules() gives them."
                 ) from None
     owners: dict[str, list[int]] = {}
     tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers()]
@@ -182,17 +176,6 @@ def stage_view(module: torch.nn.Module, paths: Sequence[str]) -> torch.nn.Module
     return _pruned(module, "", set(paths))
 
 
-def _mesh(ctx: Context) -> DeviceMesh:
-    mesh: DeviceMesh | None = ctx.mesh
-    pp = ctx.mesh_names.pp
-    if mesh is None or pp not in (mesh.mesh_dim_names or ()):
-        raise UsageError(
-            f"wrap: ctx has no mesh with a {pp!r} dimension; pass the Context that the pipeline "
-            "strategy's setup returned."
-        )
-    return mesh
-
-
 @attrs.frozen
 class PipelineWrap:
     """Wrap field: copy rank 0's weights everywhere, keep this rank's stages, build the schedule."""
@@ -213,16 +196,14 @@ class PipelineWrap:
         require(isinstance(module, torch.nn.Module), "wrap: 'module'", "a torch.nn.Module", module)
         if not callable(self.split):
             check_split(module, self.split)  # the same module everywhere: every rank raises
-        mesh = _mesh(check_context(ctx, "wrap"))
+        mesh = mesh_with(check_context(ctx, "wrap"), ctx.mesh_names.pp, "wrap", "pipeline")
         pp_mesh, replicate = mesh[ctx.mesh_names.pp], ctx.mesh_names.replicate
         size, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
         count = self.stage_count(size)
         check_stage_count(self.schedule, count, size)
         check_microbatches(self.schedule, self.microbatches, count, size)
         module = training.to_device(module, ctx)
-        if is_distributed(ctx):
-            check_same_layout(module, ctx)
-            broadcast_tensors([*module.parameters(), *module.buffers()], ctx, src=0)
+        copy_rank0(module, ctx)
         held = stages_of_rank(self.schedule, count, size, pp_rank)
         group = pp_mesh.get_group()
         if callable(self.split):

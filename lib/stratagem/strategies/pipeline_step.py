@@ -19,7 +19,7 @@ import torch.distributed as dist
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError, describe
 from stratagem.fields import ForwardFn
-from stratagem.replicas import buckets, flatten, unflatten
+from stratagem.replicas import bucketed
 from stratagem.strategies.pipeline_loss import FORWARD_NOT_HONOURED
 from stratagem.strategies.pipeline_stages import run_of
 from stratagem.training import check_module, check_optimizer, check_optimizer_holds, move_batch
@@ -189,13 +189,12 @@ def pipeline_update(
     check_optimizer_holds(optimizer, module, "update")  # a lookup once the pair is known
     if run.dp_group is not None:
         grads = [p.grad for p in module.parameters() if p.grad is not None]
-        with torch.no_grad():
-            for bucket in buckets(grads, _BUCKET_BYTES):
-                members = [grads[i] for i in bucket]
-                flat = flatten(members)
-                dist.all_reduce(flat, group=run.dp_group)  # gloo has no AVG: sum, then divide
-                flat.div_(run.dp_size)
-                torch._foreach_copy_(members, unflatten(flat, members))
+
+        def average(flat: torch.Tensor) -> None:
+            dist.all_reduce(flat, group=run.dp_group)  # gloo has no AVG: sum, then divide
+            flat.div_(run.dp_size)
+
+        bucketed(grads, _BUCKET_BYTES, average)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 

@@ -14,7 +14,16 @@ from stratagem.process_group import leave
 from stratagem.sharding import keep_loader
 from stratagem.strategy import Strategy
 
-__all__ = ["UseDevice", "keep_loader", "leave", "single_device"]
+__all__ = ["UseDevice", "check_one_process", "keep_loader", "leave", "single_device"]
+
+
+def check_one_process(env: Env, runs: str) -> None:
+    """Refuse a world of more than one process at setup; ``runs`` says what the strategy runs."""
+    if check_env(env, "setup").world_size != 1:
+        raise LaunchError(
+            f"{runs}, but {env.source!r} started a world of {env.world_size}; use ddp() to "
+            "train on all of them."
+        )
 
 
 @attrs.frozen
@@ -24,11 +33,7 @@ class UseDevice:
     device: DeviceSpec = "auto"
 
     def __call__(self, env: Env) -> Context:
-        if check_env(env, "setup").world_size != 1:
-            raise LaunchError(
-                f"single_device() runs one process, but {env.source!r} started a world of "
-                f"{env.world_size}; use ddp() to train on all of them."
-            )
+        check_one_process(env, "single_device() runs one process")
         device = resolve_device(self.device, env.local_rank, env.local_world_size, warn=True)
         return Context(env=env, device=device)
 
