@@ -84,15 +84,24 @@ def batches(
 
 
 @st.composite
-def _torchrun(draw: st.DrawFn) -> dict[str, str]:
+def _placed(draw: st.DrawFn, names: tuple[str, str, str, str]) -> tuple[dict[str, str], int, int]:
+    """Place a rank in a world of up to 4 nodes of up to 8 ranks each.
+
+    Returns its rank, local rank, world size and node under ``names``, with the
+    world's node count and ranks per node (each launcher spells those its own way).
+    """
     nodes, per_node = draw(st.integers(1, 4)), draw(st.integers(1, 8))
     node, local = draw(st.integers(0, nodes - 1)), draw(st.integers(0, per_node - 1))
+    place = (node * per_node + local, local, nodes * per_node, node)
+    return {name: str(value) for name, value in zip(names, place, strict=True)}, nodes, per_node
+
+
+@st.composite
+def _torchrun(draw: st.DrawFn) -> dict[str, str]:
+    placed, _, per_node = draw(_placed(("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK")))
     return {
-        "RANK": str(node * per_node + local),
-        "LOCAL_RANK": str(local),
-        "WORLD_SIZE": str(nodes * per_node),
+        **placed,
         "LOCAL_WORLD_SIZE": str(per_node),
-        "GROUP_RANK": str(node),
         "MASTER_ADDR": draw(st.sampled_from(["127.0.0.1", "node0", "10.0.0.1"])),
         "MASTER_PORT": str(draw(st.integers(1, 65535))),
         "TORCHELASTIC_RUN_ID": "run",
@@ -101,13 +110,10 @@ def _torchrun(draw: st.DrawFn) -> dict[str, str]:
 
 @st.composite
 def _slurm(draw: st.DrawFn) -> dict[str, str]:
-    nodes, per_node = draw(st.integers(1, 4)), draw(st.integers(1, 8))
-    node, local = draw(st.integers(0, nodes - 1)), draw(st.integers(0, per_node - 1))
+    names = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_NODEID")
+    placed, nodes, per_node = draw(_placed(names))
     return {
-        "SLURM_PROCID": str(node * per_node + local),
-        "SLURM_LOCALID": str(local),
-        "SLURM_NTASKS": str(nodes * per_node),
-        "SLURM_NODEID": str(node),
+        **placed,
         "SLURM_NTASKS_PER_NODE": f"{per_node}(x{nodes})",
         "SLURM_NODELIST": "gpu[001-004]",
         "SLURM_JOB_ID": str(draw(st.integers(1, 10**7))),
