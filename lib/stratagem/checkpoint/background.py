@@ -29,8 +29,8 @@ from stratagem import pending
 from stratagem.checkpoint import directory
 from stratagem.checkpoint.rank_zero import on_main
 from stratagem.env import Context
-from stratagem.errors import CheckpointError, UsageError, describe
-from stratagem.validators import is_number
+from stratagem.errors import CheckpointError, UsageError
+from stratagem.validators import is_number, require
 
 __all__ = ["PendingSave", "settle", "start", "unseen_failure"]
 
@@ -80,11 +80,8 @@ class PendingSave:
                 ``path`` is intact), or it did not end within ``timeout``.
             UsageError: ``timeout`` is not a positive number.
         """
-        if timeout is not None and not is_number(timeout, above=0):
-            raise UsageError(
-                f"PendingSave.wait: 'timeout' must be None or a positive number of seconds "
-                f"(got {describe(timeout)})."
-            )
+        ok = timeout is None or is_number(timeout, above=0)
+        require(ok, "PendingSave.wait: 'timeout'", "None or a positive number of seconds", timeout)
         if timeout is not None and not timeout <= threading.TIMEOUT_MAX:
             raise UsageError(
                 f"PendingSave.wait: 'timeout' must be at most {threading.TIMEOUT_MAX:g} s, the "

@@ -58,12 +58,16 @@ _ONE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized"
 
 
 @contextlib.contextmanager
-def _world_of_one(ctx: Context) -> Iterator[None]:
-    with warnings.catch_warnings():
-        if ctx.group is None:
-            # A world of one has no process group by design; DCP warns that it assumes so.
-            warnings.filterwarnings("ignore", _ONE_PROCESS, UserWarning)
-        yield
+def _calling_dcp(ctx: Context, what: str) -> Iterator[None]:
+    """Inside, a failure of DCP raises a `CheckpointError` saying that ``what`` failed."""
+    try:
+        with warnings.catch_warnings():
+            if ctx.group is None:
+                # A world of one has no process group by design; DCP warns that it assumes so.
+                warnings.filterwarnings("ignore", _ONE_PROCESS, UserWarning)
+            yield
+    except (Exception, CheckpointException) as error:  # DCP's error is a BaseException
+        raise _failure(error, what) from None
 
 
 def _first_cause(error: BaseException) -> BaseException:
@@ -99,11 +103,8 @@ def write(directory: Path, state_dict: dict[str, Any], ctx: Context) -> None:
     Raises:
         CheckpointError: a rank failed to write (every rank raises it).
     """
-    try:
-        with _world_of_one(ctx):
-            dcp_save(state_dict, **_writing(directory, ctx))
-    except (Exception, CheckpointException) as error:  # DCP's error is a BaseException
-        raise failure_of(error, directory) from None
+    with _calling_dcp(ctx, _writing_what(directory)):
+        dcp_save(state_dict, **_writing(directory, ctx))
 
 
 def write_async(
@@ -121,23 +122,23 @@ def write_async(
             failures arrive through the future, as `write` raises them).
     """
     if ctx.group is None:
-        # DCP's thread warns that a world of one is one; `_world_of_one` cannot reach that
+        # DCP's thread warns that a world of one is one; `_calling_dcp` cannot reach that
         # thread (warning filters are per process, and restored when the block ends), so this
         # one message of DCP's is ignored for the process.
         warnings.filterwarnings("ignore", _ONE_PROCESS, UserWarning)
-    try:
-        with _world_of_one(ctx):
-            return cast(
-                "concurrent.futures.Future[Any]",
-                dcp_async_save(state_dict, **_writing(directory, ctx)),
-            )
-    except (Exception, CheckpointException) as error:
-        raise _failure(error, f"save: staging the state for {str(directory)!r}") from None
+    with _calling_dcp(ctx, f"save: staging the state for {str(directory)!r}"):
+        staged = dcp_async_save(state_dict, **_writing(directory, ctx))
+    return cast("concurrent.futures.Future[Any]", staged)
+
+
+def _writing_what(directory: Path) -> str:
+    """Return the step that writes into ``directory``, as the error of its failure names it."""
+    return f"save: writing {str(directory)!r}"
 
 
 def failure_of(error: BaseException, directory: Path) -> CheckpointError:
     """Return the error a failed asynchronous write raises, as `write` would raise it."""
-    return _failure(error, f"save: writing {str(directory)!r}")
+    return _failure(error, _writing_what(directory))
 
 
 @attrs.frozen
@@ -385,17 +386,14 @@ def read(
     files.fs = _OpenedFiles(found, files.fs)  # type: ignore[assignment]
     reader = _VettedReader(files, metadata)
     planner = _SafePlanner(DefaultLoadPlanner(allow_partial_load=partial))
-    try:
-        with _world_of_one(ctx):
-            dcp_load(
-                state_dict,
-                storage_reader=cast(StorageReader, reader),
-                planner=cast(LoadPlanner, planner),
-                process_group=host_group(ctx),
-                no_dist=ctx.group is None,
-            )
-    except (Exception, CheckpointException) as error:  # DCP's error is a BaseException
-        raise _failure(error, f"load: reading {str(directory)!r}") from None
+    with _calling_dcp(ctx, f"load: reading {str(directory)!r}"):
+        dcp_load(
+            state_dict,
+            storage_reader=cast(StorageReader, reader),
+            planner=cast(LoadPlanner, planner),
+            process_group=host_group(ctx),
+            no_dist=ctx.group is None,
+        )
 
 
 def _insert(tree: dict[str, Any], path: tuple[str, ...], leaf: Any) -> None:

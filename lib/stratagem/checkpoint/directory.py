@@ -66,7 +66,7 @@ import socket
 import stat
 import time
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -382,12 +382,17 @@ def pinned(directory: Path) -> Iterator[Found]:
         yield Found(directory, manifest, opened=opened)
 
 
+def _found(directories: Iterable[Path]) -> list[Found]:
+    """Return the complete checkpoints among ``directories``; the others are passed over."""
+    found = []
+    for directory in directories:
+        with contextlib.suppress(CheckpointError):
+            found.append(Found(directory, read_manifest(directory)))
+    return found
+
+
 def _is_checkpoint(directory: Path) -> bool:
-    try:
-        read_manifest(directory)
-    except CheckpointError:
-        return False
-    return True
+    return bool(_found([directory]))
 
 
 def _siblings(target: Path, marker: str) -> list[Path]:
@@ -400,11 +405,7 @@ def _siblings(target: Path, marker: str) -> list[Path]:
 
 
 def _newest(directories: list[Path]) -> Found | None:
-    found = []
-    for directory in directories:
-        with contextlib.suppress(CheckpointError):
-            found.append(Found(directory, read_manifest(directory)))
-    return max(found, key=order, default=None)
+    return max(_found(directories), key=order, default=None)
 
 
 def order(found: Found) -> tuple[int, int]:
@@ -479,9 +480,7 @@ def exists(path: str | os.PathLike[str]) -> bool:
         >>> sg.checkpoint.exists(path)
         True
     """
-    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-        raise UsageError(f"exists: 'path' must be a str or os.PathLike (got {describe(path)}).")
-    target = Path(path)
+    target = Path(path_text(path, "exists", "path"))
     if target.is_dir() and not target.is_symlink() and not any(target.iterdir()):
         return False
     try:
@@ -627,18 +626,16 @@ def begin(target: Path, token: str) -> Path:
     try:
         _writable_parent(target)
         fd = _claim(target)
+        try:
+            _put_back(target)
+            _replaceable(target)
+            tmp = temporary(target, token)
+            tmp.mkdir()
+        except BaseException:
+            _unlock(_lock_path(target), fd)
+            raise
     except PermissionError as error:
         raise _denied(error, target) from None
-    try:
-        _put_back(target)
-        _replaceable(target)
-        tmp = temporary(target, token)
-        tmp.mkdir()
-    except BaseException as error:
-        _unlock(_lock_path(target), fd)
-        if isinstance(error, PermissionError):
-            raise _denied(error, target) from None
-        raise
     _held[tmp] = fd
     return tmp
 
@@ -850,13 +847,10 @@ def disk_full(error: BaseException, target: Path) -> CheckpointError | None:
     )
 
 
-def _checkpoints_in(directory: Path) -> Iterator[Found]:
-    for child in sorted(directory.iterdir()):
-        if child.is_symlink():  # a `latest` link, a link to another run: never listed or pruned
-            continue
-        if child.is_dir() and _TMP not in child.name and _OLD not in child.name:
-            with contextlib.suppress(CheckpointError):
-                yield Found(child, read_manifest(child))
+def _checkpoints_in(directory: Path) -> list[Found]:
+    # A link (a `latest` link, a link to another run) is never listed or pruned.
+    children = [child for child in sorted(directory.iterdir()) if not child.is_symlink()]
+    return _found(c for c in children if c.is_dir() and _TMP not in c.name and _OLD not in c.name)
 
 
 def _prune(target: Path, keep_last: int) -> None:
@@ -890,6 +884,20 @@ def latest(directory: str | os.PathLike[str]) -> Path | None:
     return None if newest is None else newest.directory
 
 
+def path_text(value: object, function: str, name: str) -> Any:
+    """Return ``os.fspath(value)`` (bytes for a bytes path-like), checked to be a non-empty path.
+
+    Raises:
+        UsageError: ``value``, the argument ``name`` of ``function``, is not
+            a non-empty str or path-like.
+    """
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        raise UsageError(
+            f"{function}: '{name}' must be a str or os.PathLike (got {describe(value)})."
+        )
+    return os.fspath(value)
+
+
 def run_directory(directory: object, function: str) -> Path:
     """Return ``directory`` as a `Path`, checked to be where a run keeps its checkpoints.
 
@@ -899,11 +907,7 @@ def run_directory(directory: object, function: str) -> Path:
         UsageError: it is not a str or path-like, holds a NUL byte, is a file
             or a link that leads nowhere, or is itself a checkpoint.
     """
-    if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
-        raise UsageError(
-            f"{function}: 'directory' must be a str or os.PathLike (got {describe(directory)})."
-        )
-    text = os.fspath(directory)
+    text = path_text(directory, function, "directory")
     if "\0" in str(text):
         raise UsageError(
             f"{function}: 'directory' holds a NUL byte ({text!r}); pass the path without it."

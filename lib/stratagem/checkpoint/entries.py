@@ -46,6 +46,7 @@ from stratagem.checkpoint.directory import encode
 from stratagem.errors import CheckpointError, UsageError, describe
 from stratagem.parts import Part, part_of
 from stratagem.training import original_module
+from stratagem.validators import require
 
 if TYPE_CHECKING:
     from stratagem.env import Context
@@ -65,12 +66,15 @@ __all__ = [
     "saved_state",
     "tied_keys",
     "unwrap",
+    "what_stored",
     "written_by_this_rank",
 ]
 
 Kind = Literal["module", "optimizer", "object", "value", "per_rank_object", "per_rank_value"]
 KINDS: tuple[Kind, ...] = get_args(Kind)
 PER_RANK_KINDS: tuple[Kind, ...] = ("per_rank_object", "per_rank_value")
+VALUE_KINDS: tuple[Kind, ...] = ("value", "per_rank_value")  # load returns them, asked for or not
+_OBJECT_KINDS: tuple[Kind, ...] = ("object", "per_rank_object")
 RNG_KEY = "_stratagem_rng"
 _RESERVED = "_stratagem"
 Path = tuple[str, ...]
@@ -114,8 +118,7 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
         >>> sg.unwrap(torch.nn.DataParallel(plain)) is plain
         True
     """
-    if not isinstance(module, torch.nn.Module):
-        raise UsageError(f"unwrap: 'module' must be a torch.nn.Module (got {describe(module)}).")
+    require(isinstance(module, torch.nn.Module), "unwrap: 'module'", "a torch.nn.Module", module)
     while True:
         if isinstance(module, (DistributedDataParallel, DataParallel)):
             module = cast(torch.nn.Module, module.module)
@@ -350,19 +353,19 @@ def saved_state(
             saved[entry.name] = {k: v for k, v in state.items() if k not in aliases}
         elif entry.kind == "optimizer":
             saved[entry.name] = live_state(entry, flat=entry.part is not None)
-        elif entry.kind == "object":
-            saved[entry.name] = encode(entry.target.state_dict(), f"the state of {entry.name!r}")
-        elif entry.kind == "per_rank_object":
-            what = f"rank {ctx.rank}'s state of {entry.name!r}"
-            saved[entry.name] = {str(ctx.rank): encode(entry.target.state_dict(), what)}
-        elif entry.kind == "per_rank_value":
-            what = f"rank {ctx.rank}'s value {entry.name!r}"
-            saved[entry.name] = {str(ctx.rank): encode(entry.target, what)}
-        else:
-            saved[entry.name] = encode(entry.target, f"the value {entry.name!r}")
+        else:  # stored as bytes: an object's state or a value, replicated or this rank's
+            value = entry.target.state_dict() if entry.kind in _OBJECT_KINDS else entry.target
+            blob = encode(value, what_stored(entry.kind, entry.name, ctx.rank))
+            saved[entry.name] = {str(ctx.rank): blob} if entry.kind in PER_RANK_KINDS else blob
     if with_rng:
         saved[RNG_KEY] = {str(ctx.rank): encode(capture_rng(ctx.device), "the RNG state")}
     return saved, ties
+
+
+def what_stored(kind: Kind, name: str, rank: int) -> str:
+    """Return how messages name an entry stored as bytes (``rank 1's state of 'data'``)."""
+    what = f"state of {name!r}" if kind in _OBJECT_KINDS else f"value {name!r}"
+    return f"rank {rank}'s {what}" if kind in PER_RANK_KINDS else f"the {what}"
 
 
 def leaf_paths(tree: Any, prefix: Path = ()) -> Iterator[tuple[Path, Any]]:

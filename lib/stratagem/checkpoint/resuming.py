@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from stratagem.checkpoint.directory import latest, run_directory
-from stratagem.checkpoint.entries import capture_rng, classify, restore_rng
+from stratagem.checkpoint.entries import VALUE_KINDS, capture_rng, classify, restore_rng
 from stratagem.checkpoint.rank_zero import on_main
 from stratagem.env import Context, check_context
-from stratagem.errors import UsageError, describe
 from stratagem.fields import StrategyLike
+from stratagem.validators import require
 
 __all__ = ["resume_or_start"]
 
@@ -75,20 +75,17 @@ def resume_or_start(
         {'step': 5}
     """
     run_directory(directory, "resume_or_start")  # here, so that every rank raises its error
-    if not isinstance(strategy, StrategyLike):
-        raise UsageError(
-            f"resume_or_start: 'strategy' must be a Strategy (got {describe(strategy)}); the "
-            "arguments are (directory, state, strategy, ctx)."
-        )
+    hint = "; the arguments are (directory, state, strategy, ctx)"
+    ok = isinstance(strategy, StrategyLike)
+    require(ok, "resume_or_start: 'strategy'", "a Strategy", strategy, hint=hint)
     check_context(ctx, "resume_or_start")
-    if not isinstance(rng, bool):
-        raise UsageError(f"resume_or_start: 'rng' must be True or False (got {describe(rng)}).")
+    require(isinstance(rng, bool), "resume_or_start: 'rng'", "True or False", rng)
     entries = classify(state, "resume_or_start")
     found = on_main(ctx, lambda: latest(directory))
     if found is None:
         if ctx.is_main:
             logger.info("resume_or_start: no checkpoint in %s; starting afresh", directory)
-        return {e.name: e.target for e in entries if e.kind in ("value", "per_rank_value")}
+        return {e.name: e.target for e in entries if e.kind in VALUE_KINDS}
     if ctx.is_main:
         logger.info("resume_or_start: resuming from %s", found)
     kept = None if rng else capture_rng(ctx.device)

@@ -14,7 +14,7 @@ import os
 import secrets
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import attrs
 import torch
@@ -28,6 +28,7 @@ from stratagem.checkpoint.entries import (
     KINDS,
     PER_RANK_KINDS,
     RNG_KEY,
+    VALUE_KINDS,
     Entry,
     Kind,
     capture_rng,
@@ -39,13 +40,14 @@ from stratagem.checkpoint.entries import (
     refuse_differing,
     restore_rng,
     saved_state,
+    what_stored,
     written_by_this_rank,
 )
 from stratagem.checkpoint.rank_zero import agree, on_main
 from stratagem.env import Context, check_context, host_group
-from stratagem.errors import CheckpointError, UsageError, describe
+from stratagem.errors import CheckpointError, UsageError
 from stratagem.parts import everyones, everyones_ties
-from stratagem.validators import is_int
+from stratagem.validators import is_int, require
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import STORAGE_TYPES, Metadata
@@ -54,8 +56,6 @@ __all__ = ["Mismatch", "layout_of", "load", "match", "opened", "save"]
 
 logger = logging.getLogger("stratagem.checkpoint")
 
-T = TypeVar("T")
-
 
 def checked_path(path: object, function: str) -> Path:
     """Return ``path`` as an absolute `Path`.
@@ -63,9 +63,7 @@ def checked_path(path: object, function: str) -> Path:
     Raises:
         UsageError: ``path`` is not a non-empty str or path-like.
     """
-    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-        raise UsageError(f"{function}: 'path' must be a str or os.PathLike (got {describe(path)}).")
-    text = os.fspath(path)
+    text = directory.path_text(path, function, "path")
     if (b"\0" if isinstance(text, bytes) else "\0") in text:
         raise UsageError(
             f"{function}: 'path' holds a NUL byte ({text!r}), which no file name may; pass the "
@@ -76,8 +74,7 @@ def checked_path(path: object, function: str) -> Path:
 
 def _check_flags(function: str, **flags: object) -> None:
     for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise UsageError(f"{function}: '{name}' must be True or False (got {describe(value)}).")
+        require(isinstance(value, bool), f"{function}: '{name}'", "True or False", value)
 
 
 def save(
@@ -143,10 +140,8 @@ def save(
     collectives.expect_everyone(ctx, "save")
     target = checked_path(path, "save")
     _check_flags("save", rng=rng, verify=verify, checksums=checksums, blocking=blocking)
-    if keep_last is not None and not is_int(keep_last, 1):
-        raise UsageError(
-            f"save: 'keep_last' must be None or a positive int (got {describe(keep_last)})."
-        )
+    ok = keep_last is None or is_int(keep_last, 1)
+    require(ok, "save: 'keep_last'", "None or a positive int", keep_last)
     entries = classify(state, "save")
     background.unseen_failure(target)  # one save in flight: it ends (or raises) before this starts
     saved: dict[str, Any] = {}
@@ -442,12 +437,11 @@ def match(
     names = {entry.name for entry in entries}
     held_parts: set[str] = set()  # the keys this rank's parts hold
     unheld: list[str] = []  # saved keys of parts that this rank does not hold
-    returned = ("value", "per_rank_value")  # load returns these, asked for or not
-    unexpected += [n for n, k in saved_kinds.items() if k not in returned and n not in names]
+    unexpected += [n for n, k in saved_kinds.items() if k not in VALUE_KINDS and n not in names]
     for entry in entries:
         kind = saved_kinds.get(entry.name)
         if kind is None:
-            if entry.kind not in returned:
+            if entry.kind not in VALUE_KINDS:
                 missing.append(entry.name)
         elif kind != entry.kind:
             differing.append(
@@ -546,29 +540,25 @@ def _load(
     own = [ctx.rank] if same_world else []
     stored = dcp_files.read_values(found, metadata, blob_paths(kinds, saved_world, ranks=own), ctx)
     mine = str(ctx.rank)
-    values = {
-        n: decoded(stored, (n,), f"the value {n!r}") for n, k in kinds.items() if k == "value"
-    }
-    objects = {
-        e.name: decoded(stored, (e.name,), f"the state of {e.name!r}")
-        for e in entries
-        if e.kind == "object" and kinds.get(e.name) == "object"
-    }
+
+    def decoded_all(kind: Kind) -> dict[str, Any]:
+        """Decode the saved entries of ``kind``: every value, the states of objects in state."""
+        under = (mine,) if kind in PER_RANK_KINDS else ()  # a per-rank entry's key: name/rank
+        names = kinds if kind in VALUE_KINDS else [e.name for e in entries if e.kind == kind]
+        return {
+            n: decoded(stored, (n, *under), what_stored(kind, n, ctx.rank))
+            for n in names
+            if kinds.get(n) == kind
+        }
+
+    values, objects = decoded_all("value"), decoded_all("object")
     # This rank's own values may be unreadable on this rank alone: every rank must hear of it.
     rank_error: CheckpointError | None = None
     rng_saved = None
     try:
         if same_world:
-            values |= {
-                n: decoded(stored, (n, mine), f"rank {mine}'s value {n!r}")
-                for n, k in kinds.items()
-                if k == "per_rank_value"
-            }
-            objects |= {
-                e.name: decoded(stored, (e.name, mine), f"rank {mine}'s state of {e.name!r}")
-                for e in entries
-                if e.kind == "per_rank_object" and kinds.get(e.name) == "per_rank_object"
-            }
+            values |= decoded_all("per_rank_value")
+            objects |= decoded_all("per_rank_object")
         own_rng = (RNG_KEY, mine)
         if rng and same_world and own_rng in stored:
             rng_saved = decode(stored[own_rng], "the RNG state")
@@ -721,9 +711,24 @@ def _apply(
     flat: frozenset[str],
 ) -> None:
     """Hand each entry its state; raise naming the first entry whose object refuses it."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
     for entry in entries:
+        state = templates.get(entry.name)
         try:
-            _apply_one(entry, templates, objects, strict, flat)
+            if state is not None and entry.kind == "module":
+                set_model_state_dict(entry.target, state, options=StateDictOptions(strict=strict))
+            elif state is not None and entry.kind == "optimizer":
+                owner = cast(torch.nn.Module, entry.owner)  # classify found it for every optimizer
+                options = StateDictOptions(flatten_optimizer_state_dict=entry.name in flat)
+                with _without_grads(entry.target, entry.name in flat):
+                    set_optimizer_state_dict(owner, entry.target, state, options=options)
+            elif entry.name in objects:  # an object's state, replicated or this rank's
+                entry.target.load_state_dict(objects[entry.name])
         except Exception as error:  # whatever the object's own load_state_dict raises
             raise CheckpointError(
                 f"load: {entry.name!r} refused its saved state ({error_line(error)}). "
@@ -732,40 +737,9 @@ def _apply(
             ) from None
 
 
-def _apply_one(
-    entry: Entry,
-    templates: dict[str, Any],
-    objects: dict[str, Any],
-    strict: bool,
-    flat: frozenset[str],
-) -> None:
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    if entry.name in templates and entry.kind == "module":
-        set_model_state_dict(
-            entry.target, templates[entry.name], options=StateDictOptions(strict=strict)
-        )
-    elif entry.name in templates and entry.kind == "optimizer":
-        owner = cast(torch.nn.Module, entry.owner)  # classify found it for every optimizer
-        if entry.name in flat:
-            options = StateDictOptions(flatten_optimizer_state_dict=True)
-            with _without_grads(entry.target):
-                set_optimizer_state_dict(
-                    owner, entry.target, templates[entry.name], options=options
-                )
-        else:
-            set_optimizer_state_dict(owner, entry.target, templates[entry.name])
-    elif entry.name in objects:  # an object's state, replicated or this rank's
-        entry.target.load_state_dict(objects[entry.name])
-
-
 @contextlib.contextmanager
-def _without_grads(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """Hide the gradients of an optimizer that never stepped, while its flat state is set.
+def _without_grads(optimizer: torch.optim.Optimizer, flat: bool) -> Iterator[None]:
+    """Hide the gradients of an optimizer that never stepped, while its ``flat`` state is set.
 
     DCP unflattens a state by the slots of the live optimizer, creating them by
     a step with zero gradients, which it skips when any parameter has a
@@ -773,7 +747,7 @@ def _without_grads(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     """
     hidden = (
         {}
-        if optimizer.state
+        if optimizer.state or not flat
         else {p: p.grad for group in optimizer.param_groups for p in group["params"]}
     )
     for parameter in hidden:

@@ -30,7 +30,7 @@ from stratagem.checkpoint.rank_zero import on_main
 from stratagem.env import Context, check_context
 from stratagem.errors import CheckpointError, UsageError, describe
 from stratagem.parts import part_of
-from stratagem.validators import is_int
+from stratagem.validators import is_int, require
 
 __all__ = ["export_weights", "import_weights", "weights_format"]
 
@@ -95,11 +95,8 @@ def export_weights(
     target, plain = _checked(path, module, ctx, "export_weights")
     kind = weights_format(target)
     limit = 5 * 10**9 if shard_bytes is None else shard_bytes
-    if not is_int(limit, 1):
-        raise UsageError(
-            f"export_weights: 'shard_bytes' must be a positive int or None (got "
-            f"{describe(shard_bytes)})."
-        )
+    what = "a positive int or None"
+    require(is_int(limit, 1), "export_weights: 'shard_bytes'", what, shard_bytes)
     if shard_bytes is not None and kind != "sharded":
         raise UsageError(
             f"export_weights: 'shard_bytes' shards a directory export, but {target.name} is "
