@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -53,6 +53,7 @@ __all__ = [
     "die_with_parent",
     "error_message",
     "error_report",
+    "first_cause",
     "forwarding_signals",
     "in_collective",
     "local_env",
@@ -66,6 +67,7 @@ __all__ = [
     "send",
     "send_error",
     "stop",
+    "torn_down",
 ]
 
 LEFT_DURING_COLLECTIVE = (
@@ -430,14 +432,13 @@ class SpawnedWorld:
             signalled = self.signalled.signum
             if signalled and now - self.signalled.at > self.options.stop_grace:
                 raise _Interrupted(signalled)  # the ranks had their grace: stop them
-            deadlines = [
-                done_at[r] + self.options.exit_timeout - now for r in watching if r in done_at
-            ]
-            timeout = max(0.0, min(deadlines)) if len(deadlines) == len(watching) else None
+            # Wake for the first rank to overstay, once every rank is past its result, or
+            # for the end of the ranks' grace after a stop signal; else only for a message.
+            ends = [done_at[r] + self.options.exit_timeout for r in watching if r in done_at]
+            ends = ends if len(ends) == len(watching) else []
             if signalled:
-                grace = max(0.0, self.signalled.at + self.options.stop_grace - now)
-                timeout = grace if timeout is None else min(timeout, grace)
-            ready = wait(list(watching.values()), timeout)
+                ends.append(self.signalled.at + self.options.stop_grace)
+            ready = wait(list(watching.values()), max(0.0, min(ends) - now) if ends else None)
             for rank, pipe in list(watching.items()):
                 if pipe not in ready:
                     continue
@@ -452,7 +453,9 @@ class SpawnedWorld:
                         raise died from None
                     continue
                 if kind == "error":
-                    raise self._first_cause(rank, body, watching, results, done_at)
+                    raise first_cause(
+                        remote_error(rank, body), results, self._late(rank, watching, results)
+                    )
                 # "preempted": it saved and raised Preempted, and the others will too.
                 kept = preempted if kind == "preempted" else results
                 kept[rank] = body[0]
@@ -461,44 +464,51 @@ class SpawnedWorld:
             raise Preempted(preempted[min(preempted)])  # 75 under SLURM, else 128 + signal
         return [results[rank] for rank in range(self.devices)]
 
-    def _first_cause(
-        self,
-        rank: int,
-        body: list[Any],
-        watching: dict[int, Connection],
-        results: dict[int, Any],
-        done_at: dict[int, float],
-    ) -> RankError:
-        """Return the error to raise for ``rank``'s error: its own, or what caused it.
-
-        A collective fails on one rank because another left it: that one died
-        (its death is the error), or it returned early (then the message says so,
-        instead of blaming the rank that waited for it). What the others sent
-        before this error is read first: a rank's result or its death precedes
-        the broken connection it causes.
-        """
-        error = remote_error(rank, body)
-        if not in_collective(error.remote_traceback):
-            return error
+    def _late(
+        self, rank: int, watching: dict[int, Connection], results: dict[int, Any]
+    ) -> Iterator[tuple[int, RankError | None]]:
+        """Yield what the other ranks sent before ``rank``'s error, for `first_cause`."""
         others = {other: pipe for other, pipe in watching.items() if other != rank}
         ready = wait(list(others.values()), _CAUSE_GRACE) if others else []
         for other, pipe in others.items():
             if pipe not in ready:
                 continue
             try:
-                kind, *rest = receive(pipe)
+                kind, *_ = receive(pipe)
             except EOFError:
                 if other not in results:
-                    return death_error(other, self.processes[other], self.options.stop_grace)
+                    yield other, death_error(other, self.processes[other], self.options.stop_grace)
                 continue
             if kind == "ok":
-                results[other], done_at[other] = rest[0], time.monotonic()
-        return returned_early(error, sorted(r for r in results if r != rank))
+                yield other, None
 
 
 # Seconds the parent waits, after a rank's collective failed, for what the others sent before.
 _CAUSE_GRACE = 0.5
 _FRAME = re.compile(r'^\s*File "([^"]*)"', re.MULTILINE)
+
+
+def first_cause(
+    error: RankError, finished: Iterable[int], late: Iterable[tuple[int, RankError | None]]
+) -> RankError:
+    """Return the error to raise for a rank's ``error``: its own, or what caused it.
+
+    A collective fails on one rank because another left it: that one died
+    (its death is the error), or it returned early (then the message says so,
+    instead of blaming the rank that waited for it). What the others sent
+    before this error is read first (``late``, only for an error in a
+    collective: ``(rank, its death)``, or ``(rank, None)`` for a result): a
+    rank's result or its death precedes the broken connection it causes.
+    ``finished`` are the ranks whose result came already.
+    """
+    if not in_collective(error.remote_traceback):
+        return error
+    returned = set(finished)
+    for other, died in late:
+        if died is not None:
+            return died
+        returned.add(other)
+    return returned_early(error, sorted(returned - {error.rank}))
 
 
 def returned_early(error: RankError, finished: list[int]) -> RankError:
@@ -545,6 +555,13 @@ def ran(fn: Callable[..., Any], strategy: StrategyLike, ctx: Context, args: Sequ
     return result
 
 
+def torn_down(strategy: StrategyLike, ctx: Context) -> None:
+    """Tear down ``ctx``'s world with ``strategy``, the user's objects freed first."""
+    # A DDP reducer above all: destroying a gloo group under a live DDP module can deadlock.
+    gc.collect()
+    strategy.teardown(ctx)
+
+
 def release_semaphores() -> None:
     """Give back the semaphores this process made (tqdm's lock, a user's own) before ``os._exit``.
 
@@ -571,10 +588,7 @@ def rank_main(pipe: Connection, payload: bytes, rank: int, world_size: int, port
             send(pipe, ("ok", result))
             del result
         finally:
-            # Free the user's objects (a DDP reducer above all) before the process group goes:
-            # destroying a gloo group under a live DDP module can deadlock.
-            gc.collect()
-            strategy.teardown(ctx)
+            torn_down(strategy, ctx)
     except BaseException as error:  # report everything, KeyboardInterrupt included
         preempted = sys.modules.get("stratagem.preemption")
         if preempted is not None and isinstance(error, preempted.Preempted):

@@ -35,7 +35,6 @@ How a launch runs (each step mirrors `Spawn`, and reuses its pieces from
 from __future__ import annotations
 
 import contextlib
-import gc
 import importlib
 import math
 import os
@@ -50,12 +49,12 @@ import attrs
 from stratagem._processes import (
     error_message,
     error_report,
-    in_collective,
+    first_cause,
     prepare_rank,
     ran,
     remote_error,
     rendezvous,
-    returned_early,
+    torn_down,
 )
 from stratagem.env import detect_env
 from stratagem.errors import LaunchError, RankError, describe
@@ -260,12 +259,9 @@ class _RankActor:
     def leave(self) -> tuple[Any, ...]:
         """Tear down the world this rank joined (once); return ``("ok",)`` or an error report."""
         ctx, self._ctx = self._ctx, None
-        if ctx is None:
-            return ("ok",)
         try:
-            # Free the user's objects (a DDP reducer above all) before the process group goes.
-            gc.collect()
-            self._strategy.teardown(ctx)
+            if ctx is not None:
+                torn_down(self._strategy, ctx)
         except BaseException as error:
             return error_report(error)
         return ("ok",)
@@ -397,7 +393,7 @@ class _RayWorld:
                     continue  # died in teardown, after its result: the result stands
                 if isinstance(outcome, RankError):
                     if ref in runs:
-                        outcome = self._first_cause(rank, outcome, runs, results)
+                        outcome = first_cause(outcome, results, self._late(rank, runs, results))
                     raise outcome
                 if ref in runs:
                     results[rank] = pickle.loads(outcome[1])
@@ -423,26 +419,17 @@ class _RayWorld:
             rank, exc_type=None, message=f"{worker} died without reporting a result ({cause})"
         )
 
-    def _first_cause(
-        self, rank: int, error: RankError, runs: dict[Any, int], results: dict[int, Any]
-    ) -> RankError:
-        """Return the error to raise for ``rank``'s error: its own, or what caused it.
-
-        As for spawned ranks: a collective fails on one rank because another left
-        it, by dying (its death is the error) or by returning early (the message
-        says so instead of blaming the rank that waited).
-        """
-        if not in_collective(error.remote_traceback):
-            return error
+    def _late(
+        self, rank: int, runs: dict[Any, int], results: dict[int, Any]
+    ) -> Iterator[tuple[int, RankError | None]]:
+        """Yield how the other runs ended before ``rank``'s error, for `first_cause`."""
         others = {ref: r for ref, r in runs.items() if r != rank and r not in results}
-        ready = []
-        if others:
-            ready, _ = self.ray.wait(list(others), num_returns=len(others), timeout=_CAUSE_GRACE)
+        if not others:
+            return
+        ready, _ = self.ray.wait(list(others), num_returns=len(others), timeout=_CAUSE_GRACE)
         for ref in ready:
-            other = others[ref]
-            outcome = self._outcome(other, ref)
-            if isinstance(outcome, RankError) and outcome.exc_type is None:
-                return outcome  # that rank died: the cause
+            outcome = self._outcome(others[ref], ref)
             if not isinstance(outcome, RankError):
-                results[other] = None  # it returned; only the fact matters now
-        return returned_early(error, sorted(r for r in results if r != rank))
+                yield others[ref], None  # it returned; only the fact matters now
+            elif outcome.exc_type is None:
+                yield others[ref], outcome  # that rank died: the cause

@@ -58,6 +58,11 @@ T = TypeVar("T")
 _SEEDS = 2**64  # torch generators take seeds modulo this; larger sums would overflow
 
 
+def _epoch_seed(seed: int, epoch: int) -> int:
+    """Return the seed of ``epoch``'s draws: ``seed + epoch``, as torch's generators take it."""
+    return (seed + epoch) % _SEEDS
+
+
 def _index(value: object) -> object:
     """Turn an integer-like value (a numpy int, a 0-d int tensor) into an int; leave the rest."""
     if isinstance(value, (bool, int)):
@@ -79,7 +84,7 @@ def _draw(source: Iterable[Any], seed: int, epoch: int) -> list[Any]:
     the global generator are left as they were.
     """
     sampler = copy.copy(source)
-    seeded = torch.Generator().manual_seed((seed + epoch) % _SEEDS)
+    seeded = torch.Generator().manual_seed(_epoch_seed(seed, epoch))
     if isinstance(getattr(sampler, "generator", None), (torch.Generator, type(None))):
         # A read-only property is left alone: the global generator, seeded below, still serves.
         with contextlib.suppress(AttributeError):
@@ -88,7 +93,7 @@ def _draw(source: Iterable[Any], seed: int, epoch: int) -> list[Any]:
     if callable(set_epoch):
         set_epoch(epoch)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed((seed + epoch) % _SEEDS)
+        torch.manual_seed(_epoch_seed(seed, epoch))
         return [_index(index) for index in sampler]
 
 
@@ -211,7 +216,7 @@ class ShardSampler:
             kept = drawn[self.start : self.start + self._kept()]
             return iter(kept[self.rank :: self.world_size])
         if self.shuffle:
-            generator = torch.Generator().manual_seed((self.seed + self.epoch) % _SEEDS)
+            generator = torch.Generator().manual_seed(_epoch_seed(self.seed, self.epoch))
             order = torch.randperm(self.size, generator=generator)
         else:
             order = torch.arange(self.size)
@@ -452,7 +457,7 @@ class ShardedLoader:
             if self.loader.generator is not None:
                 # Workers' seeds come from this generator: per epoch, and never from the
                 # global RNG, whose state a resumed run restores.
-                self.loader.generator.manual_seed((self.sampler.seed + progress.epoch) % _SEEDS)
+                self.loader.generator.manual_seed(_epoch_seed(self.sampler.seed, progress.epoch))
             batches = iter(self.loader)
         elif isinstance(self.sampler, StreamStride):  # skips the global batches consumed
             batches = self.sampler.select(
