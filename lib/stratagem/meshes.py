@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Literal
 
 import attrs
 
-from stratagem.env import Context, Env, MeshNames, check_env, mesh_names
+from stratagem.env import Context, Env, MeshNames, check_context, check_env, mesh_names
 from stratagem.errors import UsageError
 from stratagem.fields import SetupFn
 from stratagem.process_group import JoinProcessGroup
@@ -81,11 +81,8 @@ def mesh_dims(
     world = data = env.world_size
     for what, size in (("tensor", tensor_parallel), ("context", context_parallel)):
         if data % size:
-            where = (
-                f"the world of {data} ranks"
-                if data == world
-                else (f"the {data} ranks that tensor_parallel={tensor_parallel} leaves")
-            )
+            leaves = f"the {data} ranks that tensor_parallel={tensor_parallel} leaves"
+            where = f"the world of {data} ranks" if data == world else leaves
             raise UsageError(
                 f"{what}_parallel: size={size} does not divide {where} into equal "
                 f"{what}-parallel groups; use one of "
@@ -193,20 +190,22 @@ def flattened_data_mesh(mesh: DeviceMesh, names: MeshNames, beside: str) -> Devi
     )
 
 
-def mesh_with(ctx: Context, dim: str, field: str, strategy: str) -> DeviceMesh:
-    """Return ``ctx``'s mesh, refusing one without the dimension ``dim``.
+def mesh_with(ctx: Context, role: str, field: str, strategy: str) -> tuple[DeviceMesh, MeshNames]:
+    """Return ``ctx``'s mesh and its `MeshNames`, refusing a mesh without ``role``'s dimension.
 
     Raises:
-        UsageError: ``ctx`` has no such mesh: it is not what ``strategy``'s
-            setup returned (``field`` names the field that needs it).
+        UsageError: ``ctx`` is not a `Context`, or has no such mesh: it is not
+            what ``strategy``'s setup returned (``field`` names the field that needs it).
     """
+    names = check_context(ctx, field).mesh_names
+    dim: str = getattr(names, role)
     mesh: DeviceMesh | None = ctx.mesh
     if mesh is None or dim not in (mesh.mesh_dim_names or ()):
         raise UsageError(
             f"{field}: ctx has no mesh with a {dim!r} dimension; pass the Context that the "
             f"{strategy} strategy's setup returned."
         )
-    return mesh
+    return mesh, names
 
 
 @attrs.frozen(kw_only=True)

@@ -8,7 +8,7 @@ built on. Tensors travel in fused buckets, as bytes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 import torch
@@ -43,24 +43,41 @@ MB = 1024 * 1024  # MiB, as DistributedDataParallel's bucket_cap_mb
 _BROADCAST_BUCKET_BYTES = 250 * MB
 
 
-def buckets(tensors: Sequence[torch.Tensor], cap_bytes: float) -> list[list[int]]:
-    """Group indices of ``tensors`` by device and dtype, in order, into runs of ``cap_bytes``.
+def buckets(
+    tensors: Sequence[torch.Tensor],
+    cap_bytes: float,
+    *,
+    order: Iterable[int] | None = None,
+    first_bytes: float | None = None,
+) -> list[list[int]]:
+    """Group indices of ``tensors`` by device and dtype, in ``order``, into runs of ``cap_bytes``.
 
     The plan depends only on shapes and dtypes, so every rank makes the same
-    one. A tensor larger than the cap travels alone.
+    one. A tensor larger than the cap travels alone. With ``first_bytes``, the
+    first bucket of each device and dtype also closes once it holds that much.
     """
     done: list[list[int]] = []
     filling: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[int]]] = {}
-    for index, tensor in enumerate(tensors):
-        size = tensor.nbytes
-        members, filled = filling.setdefault((tensor.device, tensor.dtype), ([], [0]))
-        if members and filled[0] + size > cap_bytes:
-            done.append(members.copy())
-            members.clear()
-            filled[0] = 0
+    closed: set[tuple[torch.device, torch.dtype]] = set()  # those whose first bucket is done
+
+    def close(key: tuple[torch.device, torch.dtype]) -> None:
+        members, filled = filling[key]
+        done.append(members.copy())
+        members.clear()
+        filled[0] = 0
+        closed.add(key)
+
+    for index in range(len(tensors)) if order is None else order:
+        tensor = tensors[index]
+        key = (tensor.device, tensor.dtype)
+        members, filled = filling.setdefault(key, ([], [0]))
+        if members and filled[0] + tensor.nbytes > cap_bytes:
+            close(key)
         members.append(index)
-        filled[0] += size
-    return done + [members for members, _ in filling.values()]
+        filled[0] += tensor.nbytes
+        if first_bytes is not None and key not in closed and filled[0] >= first_bytes:
+            close(key)
+    return done + [members for members, _ in filling.values() if members]
 
 
 def bucketed(

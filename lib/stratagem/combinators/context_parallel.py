@@ -46,7 +46,7 @@ from stratagem.combinators._base import (
     waited,
     with_mesh,
 )
-from stratagem.env import Context, check_context
+from stratagem.env import Context
 from stratagem.errors import UsageError
 from stratagem.fields import ForwardFn, StepFn
 from stratagem.meshes import mesh_with
@@ -198,11 +198,7 @@ def _split_buffers(
             owner_name, _, leaf = name.rpartition(".")
             try:
                 owner = root.get_submodule(owner_name)
-                whole = (
-                    owner.get_buffer(leaf)
-                    if leaf in dict(owner.named_buffers(recurse=False))
-                    else None
-                )
+                whole = dict(owner.named_buffers(recurse=False)).get(leaf)
             except AttributeError:
                 whole = None
             if whole is None:
@@ -257,9 +253,9 @@ class ContextParallelStep:
         *,
         forward: ForwardFn | None = None,
     ) -> Any:
-        cp = check_context(ctx, "step").mesh_names.cp
-        mesh = mesh_with(ctx, cp, "step", "context_parallel")
-        group_mesh = mesh[cp]
+        mesh, names = mesh_with(ctx, "cp", "step", "context_parallel")
+        group_mesh = mesh[names.cp]
+        group = group_mesh.get_group()
         size, rank = group_mesh.size(), group_mesh.get_local_rank()
         length = self._length(batch, size)
         mine = sequence_positions(length, rank, size, self.load_balance)
@@ -268,10 +264,9 @@ class ContextParallelStep:
         share = map_tensors(lambda t: t.index_select(self.seq_dim, mine.to(t.device)), batch)
         with (
             _split_buffers(module, dict(self.buffers), mine, length),
-            _attention_gathered(group_mesh.get_group(), mine, every),
+            _attention_gathered(group, mine, every),
         ):
             output = self.inner(module, share, ctx, forward=forward)
-        group = group_mesh.get_group()
         order = torch.argsort(every)
         return map_tensors(lambda t: self._whole(t, group, mine.numel(), order), output)
 

@@ -43,7 +43,7 @@ from stratagem.combinators._base import (
     waited,
     with_mesh,
 )
-from stratagem.env import Context, check_context
+from stratagem.env import Context
 from stratagem.errors import UsageError, describe
 from stratagem.fields import WrapFn
 from stratagem.meshes import mesh_with
@@ -213,8 +213,7 @@ class ExpertParallelWrap:
         from torch.distributed.fsdp import fully_shard
 
         require(isinstance(module, torch.nn.Module), "wrap: 'module'", "a torch.nn.Module", module)
-        names = check_context(ctx, "wrap").mesh_names
-        mesh = mesh_with(ctx, names.ep, "wrap", "expert_parallel")
+        mesh, names = mesh_with(ctx, "ep", "wrap", "expert_parallel")
         picked = outermost_picks(module, self.experts, "expert_parallel's experts policy")
         if not picked:
             raise UsageError(

@@ -20,7 +20,7 @@ import attrs
 import torch
 
 from stratagem.combinators._base import CombinatorError, check_strategy
-from stratagem.env import Context, check_context
+from stratagem.env import Context
 from stratagem.errors import UsageError, describe, with_submodules
 from stratagem.fields import WrapFn
 from stratagem.meshes import JoinMesh, mesh_with
@@ -98,18 +98,18 @@ class TensorParallelWrap:
         from torch.distributed.tensor.parallel import parallelize_module
 
         require(isinstance(module, torch.nn.Module), "wrap: 'module'", "a torch.nn.Module", module)
-        tp = check_context(ctx, "wrap").mesh_names.tp
-        mesh = mesh_with(ctx, tp, "wrap", "tensor_parallel")
+        mesh, names = mesh_with(ctx, "tp", "wrap", "tensor_parallel")
+        tp = mesh[names.tp]
         if self.async_tp:
-            _enable_async_tp(ctx, mesh[tp])
+            _enable_async_tp(ctx, tp)
         copy_rank0(module, ctx)
         if isinstance(self.plan, Mapping):
             _check_paths(self.plan, module)
             # Copies: parallelize_module writes into the styles it is given (src_data_rank).
             styles = {path: copy.deepcopy(style) for path, style in self.plan.items()}
-            module = parallelize_module(module, mesh[tp], styles)
+            module = parallelize_module(module, tp, styles)
         else:
-            module = self.plan(module, mesh[tp])
+            module = self.plan(module, tp)
             require(
                 isinstance(module, torch.nn.Module),
                 "wrap: the tensor-parallel plan function",

@@ -132,28 +132,9 @@ def backward_buckets(params: list[torch.Tensor], bucket_mb: float) -> list[list[
     their first member comes. The plan depends only on shapes and dtypes:
     every rank makes the same one.
     """
-    cap, first = bucket_mb * MB, min(FIRST_BUCKET_MB, bucket_mb) * MB
-    done: list[list[int]] = []
-    filling: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    sizes: dict[tuple[torch.device, torch.dtype], int] = {}
-    closed: set[tuple[torch.device, torch.dtype]] = set()
-
-    def close(key: tuple[torch.device, torch.dtype]) -> None:
-        done.append(filling[key].copy())
-        filling[key].clear()
-        sizes[key] = 0
-        closed.add(key)
-
-    for index in reversed(range(len(params))):
-        tensor = params[index]
-        key = (tensor.device, tensor.dtype)
-        if filling.setdefault(key, []) and sizes[key] + tensor.nbytes > cap:
-            close(key)
-        filling[key].append(index)
-        sizes[key] = sizes.get(key, 0) + tensor.nbytes
-        if key not in closed and sizes[key] >= first:
-            close(key)
-    plan = done + [members for members in filling.values() if members]
+    last_first = reversed(range(len(params)))
+    first = min(FIRST_BUCKET_MB, bucket_mb) * MB
+    plan = buckets(params, bucket_mb * MB, order=last_first, first_bytes=first)
     return sorted(plan, key=lambda bucket: -bucket[0])
 
 

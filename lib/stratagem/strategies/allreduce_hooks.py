@@ -246,10 +246,8 @@ class GradientHooks:
 
 def _flags(count: int, absent: list[int], changed: bool) -> list[float]:
     """Return what a rank sends: 1 per parameter with a gradient, 0 per absent one, then changed."""
-    flags = [1.0] * count
-    for index in absent:
-        flags[index] = 0.0
-    return [*flags, float(changed)]
+    missing = set(absent)
+    return [float(index not in missing) for index in range(count)] + [float(changed)]
 
 
 _HOOKS: weakref.WeakKeyDictionary[torch.nn.Module, GradientHooks] = weakref.WeakKeyDictionary()

@@ -203,7 +203,6 @@ def pipeline(
     _SCHEDULE(None, attrs.fields(JoinPipeline).schedule, schedule)
     split = _check_split(stages, schedule)
     # A schedule lists every micro-batch's actions at wrap: 10**6 took a minute, 10**30 forever.
-    require(is_int(microbatches, 1), "pipeline: 'microbatches'", "a positive int", microbatches)
     _MICROBATCHES(None, attrs.fields(JoinPipeline).microbatches, microbatches)
     require(size is None or is_int(size, 1), "pipeline: 'size'", "None or a positive int", size)
     wrap = PipelineWrap(split, schedule, microbatches)

@@ -20,7 +20,7 @@ import attrs
 import torch
 
 from stratagem import training
-from stratagem.env import Context, check_context
+from stratagem.env import Context
 from stratagem.errors import UsageError, describe, with_submodules
 from stratagem.fields import ForwardFn
 from stratagem.meshes import mesh_with
@@ -196,8 +196,8 @@ class PipelineWrap:
         require(isinstance(module, torch.nn.Module), "wrap: 'module'", "a torch.nn.Module", module)
         if not callable(self.split):
             check_split(module, self.split)  # the same module everywhere: every rank raises
-        mesh = mesh_with(check_context(ctx, "wrap"), ctx.mesh_names.pp, "wrap", "pipeline")
-        pp_mesh, replicate = mesh[ctx.mesh_names.pp], ctx.mesh_names.replicate
+        mesh, names = mesh_with(ctx, "pp", "wrap", "pipeline")
+        pp_mesh, replicate = mesh[names.pp], names.replicate
         size, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
         count = self.stage_count(size)
         check_stage_count(self.schedule, count, size)
