@@ -15,8 +15,9 @@ import torch.distributed as dist
 
 from stratagem.arrivals import arrive
 from stratagem.env import Context, check_context, host_group
-from stratagem.errors import UsageError, describe
+from stratagem.errors import UsageError
 from stratagem.fields import REDUCE_OPS, ReduceOp
+from stratagem.validators import is_int, refusal, require
 
 __all__ = [
     "STALE_CONTEXT",
@@ -91,18 +92,14 @@ def _to_wire(tensor: torch.Tensor) -> torch.Tensor:
 
 def _check_tensor(tensor: object, function: str) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
-        raise UsageError(
-            f"{function}: 'tensor' must be a torch.Tensor (got {describe(tensor)}); "
-            "wrap a number with torch.tensor(value)."
-        )
+        hint = "; wrap a number with torch.tensor(value)"
+        raise refusal(f"{function}: 'tensor'", "a torch.Tensor", tensor, hint=hint)
     return tensor
 
 
 def _check_op(op: object) -> ReduceOp:
     if not isinstance(op, str) or op not in REDUCE_OPS:
-        raise UsageError(
-            f"reduce: 'op' must be one of {', '.join(map(repr, REDUCE_OPS))} (got {describe(op)})."
-        )
+        raise refusal("reduce: 'op'", f"one of {', '.join(map(repr, REDUCE_OPS))}", op)
     return op
 
 
@@ -191,11 +188,13 @@ def reduce(tensor: torch.Tensor, op: ReduceOp, ctx: Context) -> torch.Tensor:
     return result.to(tensor.dtype)
 
 
-def _shape_message(shapes: list[tuple[int, ...]], dtypes: list[torch.dtype]) -> str:
-    parts = [
-        f"rank {r}: {tuple(s)} {d}" for r, (s, d) in enumerate(zip(shapes, dtypes, strict=True))
-    ]
-    return "; ".join(parts)
+def _all_gather(
+    tensor: torch.Tensor, ctx: Context, group: dist.ProcessGroup | None
+) -> list[torch.Tensor]:
+    """Return every rank's ``tensor`` (each of this one's shape and dtype), in rank order."""
+    everyone = [torch.empty_like(tensor) for _ in range(ctx.world_size)]
+    dist.all_gather(everyone, tensor, group=group)
+    return everyone
 
 
 def gather(tensor: torch.Tensor, ctx: Context) -> torch.Tensor:
@@ -225,26 +224,23 @@ def gather(tensor: torch.Tensor, ctx: Context) -> torch.Tensor:
     # Exchange (ndim, dtype) first, then the shapes, so mismatches are caught before data moves.
     group = group_for(tensor, ctx)
     meta = torch.tensor([tensor.dim(), _DTYPES.index(tensor.dtype)], device=tensor.device)
-    metas = [torch.empty_like(meta) for _ in range(ctx.world_size)]
-    dist.all_gather(metas, meta, group=group)
+    metas = _all_gather(meta, ctx, group)
     dims = [int(m[0]) for m in metas]
     dtypes = [_DTYPES[int(m[1])] for m in metas]
     if len(set(dims)) == 1 and tensor.dim() > 0:
         shape = torch.tensor(tensor.shape, device=tensor.device)
-        shape_list = [torch.empty_like(shape) for _ in range(ctx.world_size)]
-        dist.all_gather(shape_list, shape, group=group)
-        shapes = [tuple(int(d) for d in s) for s in shape_list]
+        shapes = [tuple(int(d) for d in s) for s in _all_gather(shape, ctx, group)]
     else:
         shapes = [tuple(tensor.shape) if d == tensor.dim() else (-1,) * d for d in dims]
     if len(set(shapes)) != 1 or len(set(dtypes)) != 1:
+        ranks = enumerate(zip(shapes, dtypes, strict=True))
+        shown = "; ".join(f"rank {r}: {s} {d}" for r, (s, d) in ranks)
         raise UsageError(
             "gather: every rank must pass a tensor of the same shape and dtype, but got "
-            f"{_shape_message(shapes, dtypes)}. Pad to a common shape first."
+            f"{shown}. Pad to a common shape first."
         )
     wire = _to_wire(tensor).contiguous()
-    out = [torch.empty_like(wire) for _ in range(ctx.world_size)]
-    dist.all_gather(out, wire, group=group)
-    return torch.stack(out).to(tensor.dtype)
+    return torch.stack(_all_gather(wire, ctx, group)).to(tensor.dtype)
 
 
 def broadcast(obj: Any, ctx: Context, *, src: int = 0) -> Any:
@@ -258,10 +254,8 @@ def broadcast(obj: Any, ctx: Context, *, src: int = 0) -> Any:
         UsageError: ``src`` is not a rank of this world, or ``ctx`` not a `Context`.
     """
     check_context(ctx, "broadcast")
-    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < ctx.world_size:
-        raise UsageError(
-            f"broadcast: 'src' must be a rank in [0, {ctx.world_size}) (got {describe(src)})."
-        )
+    ok = is_int(src, 0) and src < ctx.world_size
+    require(ok, "broadcast: 'src'", f"a rank in [0, {ctx.world_size})", src)
     if not is_distributed(ctx):
         return obj.clone() if isinstance(obj, torch.Tensor) else obj
     # One pickled message says what is coming: the object itself, or a tensor's shape and dtype.

@@ -7,7 +7,8 @@ import warnings
 
 import torch
 
-from stratagem.errors import UsageError, describe
+from stratagem.errors import UsageError
+from stratagem.validators import refusal
 
 __all__ = [
     "FALLS_BACK_TO_CPU",
@@ -38,10 +39,8 @@ def check_device_spec(device: object, argument: str = "device") -> DeviceSpec:
         with contextlib.suppress(RuntimeError):  # not a device name: refused just below
             torch.device(device)
             return device
-    raise UsageError(
-        f"'{argument}' must be 'auto', a device string such as 'cpu' or 'cuda:0', or a "
-        f"torch.device (got {describe(device)})."
-    )
+    what = "'auto', a device string such as 'cpu' or 'cuda:0', or a torch.device"
+    raise refusal(f"'{argument}'", what, device)
 
 
 def _mps_available() -> bool:
@@ -163,13 +162,9 @@ def resolve_device(
             return torch.device("cuda", local_rank)
         if count > 0 and bound_per_task:
             return torch.device("cuda", 0)
-        if count > 0:
-            if warn and local_rank == 0:
-                warn_fallback(device, ranks, cuda_devices=count, stacklevel=2)
-            return torch.device("cpu")
-        if _mps_available():
-            return torch.device("mps")
-        return torch.device("cpu")
+        if warn and local_rank == 0:  # it warns only where there are CUDA devices, too few
+            warn_fallback(device, ranks, cuda_devices=count, stacklevel=2)
+        return torch.device("mps" if count == 0 and _mps_available() else "cpu")
     resolved = torch.device(device)
     available = {"cuda": torch.cuda.is_available, "mps": _mps_available}.get(resolved.type)
     if available is not None and not available():

@@ -7,6 +7,7 @@ Every error is a :class:`StratagemError` and also the builtin it resembles, so
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 from typing import Any
@@ -109,22 +110,9 @@ class RankError(StratagemError, RuntimeError):
 
     def __reduce__(self) -> tuple[object, ...]:
         # Keyword-only fields need an explicit recipe to survive pickling.
-        return (
-            _rebuild_rank_error,
-            (self.rank, self.exc_type, self.message, self.remote_traceback, self.exitcode),
-        )
-
-
-def _rebuild_rank_error(
-    rank: int, exc_type: str | None, message: str, remote_traceback: str, exitcode: int | None
-) -> RankError:
-    return RankError(
-        rank,
-        exc_type=exc_type,
-        message=message,
-        remote_traceback=remote_traceback,
-        exitcode=exitcode,
-    )
+        fields = ("exc_type", "message", "remote_traceback", "exitcode")
+        rebuild = functools.partial(RankError, **{name: getattr(self, name) for name in fields})
+        return (rebuild, (self.rank,))
 
 
 def describe(value: object) -> str:

@@ -69,30 +69,29 @@ def part_of(module: torch.nn.Module) -> Part | None:
     return found[1]
 
 
-def everyones(mine: Iterable[str], ctx: Context) -> set[str]:
-    """Return the union over every rank of ``mine`` (the keys each rank's parts hold)."""
-    keys = sorted(mine)
+def _everyone(mine: Any, ctx: Context) -> list[Any]:
+    """Return every rank's picklable ``mine`` in rank order (``[mine]`` on a world of one)."""
     if ctx.group is None or ctx.world_size == 1:
-        return set(keys)
-    import torch.distributed as dist
-
-    from stratagem.env import host_group
-
-    everyone: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(everyone, keys, group=host_group(ctx))
-    return {key for theirs in everyone for key in theirs}
-
-
-def everyones_ties(mine: dict[str, dict[str, str]], ctx: Context) -> dict[str, dict[str, str]]:
-    """Return every rank's tied keys (``{entry: {alias: original}}``) merged: parts differ."""
-    if ctx.group is None or ctx.world_size == 1:
-        return mine
+        return [mine]
     import torch.distributed as dist
 
     from stratagem.env import host_group
 
     everyone: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(everyone, mine, group=host_group(ctx))
+    return everyone
+
+
+def everyones(mine: Iterable[str], ctx: Context) -> set[str]:
+    """Return the union over every rank of ``mine`` (the keys each rank's parts hold)."""
+    return {key for theirs in _everyone(sorted(mine), ctx) for key in theirs}
+
+
+def everyones_ties(mine: dict[str, dict[str, str]], ctx: Context) -> dict[str, dict[str, str]]:
+    """Return every rank's tied keys (``{entry: {alias: original}}``) merged: parts differ."""
+    everyone = _everyone(mine, ctx)
+    if len(everyone) == 1:
+        return mine
     merged: dict[str, dict[str, str]] = {}
     for theirs in everyone:
         for name, aliases in theirs.items():

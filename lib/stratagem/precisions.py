@@ -140,12 +140,9 @@ def check_fsdp_policy(module: Any, state: PrecisionState, name: str) -> None:
     Raises:
         CombinatorError: a sharded group computes in another dtype than ``state``'s.
     """
-    if (
-        not state.mixed
-        or "torch.distributed.fsdp" not in sys.modules
-        or not isinstance(module, torch.nn.Module)
-    ):
-        return  # nothing can be sharded before FSDP is imported
+    fsdp_imported = "torch.distributed.fsdp" in sys.modules  # nothing is sharded before that
+    if not (state.mixed and fsdp_imported and isinstance(module, torch.nn.Module)):
+        return
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     for path, sub in module.named_modules():

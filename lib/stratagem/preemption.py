@@ -24,7 +24,8 @@ import torch
 
 from stratagem import collectives
 from stratagem.env import Context, check_context
-from stratagem.errors import REQUEUE, Preempted, UsageError, describe
+from stratagem.errors import REQUEUE, Preempted, UsageError
+from stratagem.validators import refusal
 
 __all__ = ["REQUEUE", "Preempted", "Preemption", "on_preemption"]
 
@@ -62,17 +63,16 @@ class Preemption:
 
 def _signal_numbers(signals: object) -> tuple[int, ...]:
     if isinstance(signals, (str, bytes)) or not isinstance(signals, Sequence) or not signals:
-        raise UsageError(
-            f"on_preemption: 'signals' must be a non-empty sequence of signal names or numbers "
-            f"(got {describe(signals)}), e.g. ('SIGTERM', 'SIGUSR1')."
-        )
+        what = "a non-empty sequence of signal names or numbers"
+        hint = ", e.g. ('SIGTERM', 'SIGUSR1')"
+        raise refusal("on_preemption: 'signals'", what, signals, hint=hint)
     numbers = []
     for item in signals:
         # signal.Signals(True) is SIGHUP: a bool (or a float, None) is a mistake, not a number.
         if isinstance(item, bool) or not isinstance(item, (str, int)):
-            raise UsageError(
-                f"on_preemption: each of 'signals' must be a signal name or number (got "
-                f"{describe(item)}); name one such as 'SIGTERM' or 'SIGUSR1'."
+            hint = "; name one such as 'SIGTERM' or 'SIGUSR1'"
+            raise refusal(
+                "on_preemption: each of 'signals'", "a signal name or number", item, hint=hint
             )
         try:
             number = signal.Signals[item] if isinstance(item, str) else signal.Signals(item)

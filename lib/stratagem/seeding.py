@@ -8,7 +8,8 @@ import numpy as np
 import torch
 
 from stratagem.env import Context, check_context
-from stratagem.errors import UsageError, describe
+from stratagem.errors import UsageError
+from stratagem.validators import is_int, require
 
 __all__ = ["seed_everything"]
 
@@ -44,10 +45,8 @@ def seed_everything(seed: int, ctx: Context | None = None, *, per_rank: bool = F
         >>> torch.equal(first, torch.rand(2))
         True
     """
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _MAX_SEED:
-        raise UsageError(
-            f"seed_everything: 'seed' must be an int in [0, {_MAX_SEED}] (got {describe(seed)})."
-        )
+    ok = is_int(seed, 0) and seed <= _MAX_SEED
+    require(ok, "seed_everything: 'seed'", f"an int in [0, {_MAX_SEED}]", seed)
     if per_rank:
         if ctx is None:
             raise UsageError(

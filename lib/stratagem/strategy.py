@@ -32,6 +32,7 @@ from stratagem.fields import (
 )
 from stratagem.fields import StrategyLike as StrategyLike  # defined beside its field types
 from stratagem.layers import peel, repointed
+from stratagem.validators import refusal, require
 
 __all__ = [
     "BUILT_IN_FACTORIES",
@@ -57,9 +58,7 @@ class _Accepts:
         name = attribute.name
         expected = f"{name}{self.signature}"
         if not callable(value):
-            raise StrategyFieldError(
-                f"'{name}' must be callable as {expected} (got {describe(value)})."
-            )
+            raise refusal(f"'{name}'", f"callable as {expected}", value, error=StrategyFieldError)
         try:
             signature = inspect.signature(value)
         except (TypeError, ValueError):
@@ -78,8 +77,8 @@ class _Accepts:
 
 
 def _name(instance: object, attribute: attrs.Attribute[str], value: object) -> None:
-    if not isinstance(value, str) or not value:
-        raise StrategyFieldError(f"'name' must be a non-empty str (got {describe(value)}).")
+    ok = isinstance(value, str) and value != ""
+    require(ok, "'name'", "a non-empty str", value, error=StrategyFieldError)
 
 
 @attrs.frozen(kw_only=True)

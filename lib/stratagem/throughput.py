@@ -17,7 +17,7 @@ import attrs
 import torch
 
 from stratagem.errors import UsageError, describe
-from stratagem.validators import is_number
+from stratagem.validators import is_number, refusal, require
 
 __all__ = ["PEAK_FLOPS", "Rates", "peak_flops", "peak_of", "rates", "step_flops"]
 
@@ -60,10 +60,8 @@ def peak_flops(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) 
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError):
-        raise UsageError(
-            f"peak_flops: 'device' must be a torch.device or its name, e.g. 'cuda:0' (got "
-            f"{describe(device)})."
-        ) from None
+        what = "a torch.device or its name, e.g. 'cuda:0'"
+        raise refusal("peak_flops: 'device'", what, device) from None
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return None
     if not torch.cuda.is_available():
@@ -89,10 +87,8 @@ def step_flops(
     """
     from torch.utils.flop_counter import FlopCounterMode
 
-    if not isinstance(module, torch.nn.Module):
-        raise UsageError(
-            f"step_flops: 'module' must be a torch.nn.Module (got {describe(module)})."
-        )
+    ok = isinstance(module, torch.nn.Module)
+    require(ok, "step_flops: 'module'", "a torch.nn.Module", module)
     grads = [(p, p.grad) for p in module.parameters()]
     for parameter, _ in grads:  # backward would add to a held gradient in place
         parameter.grad = None
@@ -138,11 +134,9 @@ def rates(*, flops: int, tokens: int, seconds: float, peak: float | None = None)
         '8,192 tokens/s, MFU 40.0%'
     """
     for name, value in (("flops", flops), ("tokens", tokens)):
-        if not is_number(value) or value < 0:
-            raise UsageError(f"rates: '{name}' must be a count >= 0 (got {describe(value)}).")
-    if not is_number(seconds, above=0):
-        raise UsageError(f"rates: 'seconds' must be a number above 0 (got {describe(seconds)}).")
-    if peak is not None and not is_number(peak, above=0):
-        raise UsageError(f"rates: 'peak' must be FLOP/s above 0 or None (got {describe(peak)}).")
+        require(is_number(value) and value >= 0, f"rates: '{name}'", "a count >= 0", value)
+    require(is_number(seconds, above=0), "rates: 'seconds'", "a number above 0", seconds)
+    ok = peak is None or is_number(peak, above=0)
+    require(ok, "rates: 'peak'", "FLOP/s above 0 or None", peak)
     achieved = flops / seconds
     return Rates(tokens / seconds, achieved, None if peak is None else achieved / peak)

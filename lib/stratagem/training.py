@@ -21,7 +21,7 @@ from stratagem.fields import ForwardFn
 from stratagem.optimizer_hooks import OptimizerHook, root_optimizer
 from stratagem.parts import part_of
 from stratagem.trees import map_tensors
-from stratagem.validators import is_number, require
+from stratagem.validators import is_number, refusal, require
 
 __all__ = [
     "OPTIMIZER_NOT_FOR_MODULE",
@@ -50,10 +50,8 @@ def check_module(module: object, function: str) -> torch.nn.Module:
         UsageError: it is not (arguments in the wrong order, an optimizer, ...).
     """
     if not isinstance(module, torch.nn.Module):
-        raise UsageError(
-            f"{function}: 'module' must be a torch.nn.Module (got {describe(module)}); pass "
-            "the module that wrap returned."
-        )
+        hint = "; pass the module that wrap returned"
+        raise refusal(f"{function}: 'module'", "a torch.nn.Module", module, hint=hint)
     return module
 
 
@@ -245,10 +243,8 @@ def move_to_device(batch: Any, device: torch.device | str) -> Any:
         with contextlib.suppress(RuntimeError):  # not a device name: refused just below
             wanted = torch.device(device)
     if not isinstance(wanted, torch.device):
-        raise UsageError(
-            f"move_to_device: 'device' must be a torch.device or a device string such as "
-            f"'cpu' (got {describe(device)})."
-        )
+        what = "a torch.device or a device string such as 'cpu'"
+        raise refusal("move_to_device: 'device'", what, device)
     return move_batch(batch, wanted)
 
 
@@ -393,14 +389,10 @@ def clip_norm_(
     # By mesh equality, not identity: torch hands out equal meshes as distinct objects (a spec
     # cached from an earlier model keeps its own), and equal meshes are one mesh to DTensor.
     groups: dict[Any, list[torch.Tensor]] = {}
-    for parameter in parameters:
-        if parameter.grad is not None:
-            groups.setdefault(getattr(parameter.grad, "device_mesh", None), []).append(
-                parameter.grad
-            )
+    for grad in grads:
+        groups.setdefault(getattr(grad, "device_mesh", None), []).append(grad)
     if len(groups) <= 1 and split_over is None:  # one mesh (or none): torch's own, bit for bit
-        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
-        return _whole(norm)
+        return _whole(torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type))
     # FSDP x TP: tensor-parallel gradients live on the 2-D mesh, the others on the data-parallel
     # one, and DTensor does not mix meshes in one op: a norm per mesh, then the norm of those.
     norms = [_whole(torch.nn.utils.get_total_norm(g, norm_type)) for g in groups.values()]

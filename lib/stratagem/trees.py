@@ -56,14 +56,14 @@ def map_leaves(fn: Callable[[T], Any], tree: Any, kind: type[T]) -> Any:
     if isinstance(tree, kind):
         return fn(tree)
     shape = type(tree)
-    if shape is tuple or shape is list:  # the usual batch: its leaves mapped without a call each
+    # The usual batch (a plain tuple or list) found by type alone, its leaves mapped without a call.
+    if shape is tuple or shape is list or isinstance(tree, (tuple, list)):
         mapped = [fn(v) if isinstance(v, kind) else map_leaves(fn, v, kind) for v in tree]
-        return tuple(mapped) if shape is tuple else mapped
-    if isinstance(tree, tuple):
-        mapped = [map_leaves(fn, v, kind) for v in tree]
+        if shape is tuple:
+            return tuple(mapped)
+        if isinstance(tree, list):
+            return mapped
         return type(tree)(*mapped) if hasattr(tree, "_fields") else tuple(mapped)
-    if isinstance(tree, list):
-        return [map_leaves(fn, v, kind) for v in tree]
     if isinstance(tree, Mapping):
         return _mapping(tree, {k: map_leaves(fn, v, kind) for k, v in tree.items()})
     if dataclasses.is_dataclass(tree) and not isinstance(tree, type):

@@ -30,6 +30,7 @@ __all__ = [
     "positive_int",
     "positive_number",
     "rank_and_world",
+    "refusal",
     "require",
 ]
 
@@ -70,7 +71,14 @@ def require(
 ) -> None:
     """Raise ``error`` saying ``label must be what (got value)hint.`` unless ``ok``."""
     if not ok:
-        raise error(f"{label} must be {what} (got {describe(value)}){hint}.")
+        raise refusal(label, what, value, hint=hint, error=error)
+
+
+def refusal(
+    label: str, what: str, value: object, *, hint: str = "", error: type[Exception] = UsageError
+) -> Exception:
+    """Return the error `require` raises, for a branch that raises it itself (and so narrows)."""
+    return error(f"{label} must be {what} (got {describe(value)}){hint}.")
 
 
 def decision(
@@ -111,7 +119,7 @@ def field(
     def validate(instance: Any, attribute: Any, value: Any) -> None:
         if (optional is not None and value is None) or ok(value):
             return  # the label is formatted only for a message
-        require(False, owner.format(name=attribute.name), wanted, value, hint=hint, error=error)
+        raise refusal(owner.format(name=attribute.name), wanted, value, hint=hint, error=error)
 
     return validate
 
