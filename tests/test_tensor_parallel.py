@@ -279,3 +279,41 @@ def test_async_tensor_parallel_is_refused_off_cuda_on_every_rank():
     for error in sg.launch(_wrap_error, strategy, devices=2):
         assert "tensor_parallel(async_tp=True) overlaps the 'tp' collectives" in error
         assert "this rank trains on cpu; drop async_tp, or train on CUDA devices" in error
+
+
+def _training_stack(strategy):
+    """Precision, accumulation and clipping: the combinators that change training."""
+    mixed = sg.with_precision(strategy, "bf16-mixed")
+    return sg.with_clipping(sg.accumulate(mixed, 2), max_norm=0.05)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_goes_on_either_side_of_the_other_combinators():
+    # Its wrap is the outermost either way, so the plan splits the layers before any other
+    # layer's wrap: both orders are the same training, bit for bit.
+    inside = _training_stack(sg.tensor_parallel(sg.fsdp_spawn(device="cpu"), block_plan()))
+    outside = sg.tensor_parallel(_training_stack(sg.fsdp_spawn(device="cpu")), block_plan())
+    assert outside.name == "fsdp_spawn+bf16-mixed+accumulate2+clip+tp2"
+    ours, theirs = (sg.launch(train, s, devices=2) for s in (inside, outside))
+    for mine, other in zip(ours, theirs, strict=True):
+        assert mine["mesh"] == other["mesh"] == (("shard", "tp"), (1, 2))
+        assert sorted(mine["state"]) == sorted(other["state"])
+        for key, value in mine["state"].items():
+            assert torch.equal(value, other["state"][key]), key
+    # A test of the test: the stack changed training (clipping at 0.05 bites).
+    plain = sg.launch(
+        train, sg.tensor_parallel(sg.fsdp_spawn(device="cpu"), block_plan()), devices=2
+    )
+    assert not torch.equal(
+        plain[0]["state"]["model.up.weight"], ours[0]["state"]["model.up.weight"]
+    )
+
+
+def test_tensor_parallel_under_other_layers_is_still_applied_once():
+    twice = sg.with_precision(sg.tensor_parallel(sg.fsdp(device="cpu"), block_plan()), "bf16-mixed")
+    with pytest.raises(
+        sg.CombinatorError, match=r"'fsdp\+tp2\+bf16-mixed' is already tensor parallel"
+    ):
+        sg.tensor_parallel(twice, block_plan())
+    with pytest.raises(sg.CombinatorError, match=r"'ddp\+clip' does not build a device mesh"):
+        sg.tensor_parallel(sg.with_clipping(sg.ddp(device="cpu"), max_norm=1.0), block_plan())

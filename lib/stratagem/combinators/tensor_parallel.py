@@ -5,8 +5,8 @@ dimension ``"tp"`` of ``size`` consecutive ranks, ``wrap`` applies the plan with
 ``parallelize_module`` on it and then shards over the data-parallel dimensions
 only, and every rank of a tensor-parallel group takes the same batches
 (``shard`` deals by `Context.data_parallel`). It substitutes ``setup``'s mesh
-and ``wrap``, so it goes directly on ``fsdp()``; the other combinators go on
-top of it.
+and ``wrap``: it goes on ``fsdp()``, on either side of the other combinators
+(the plan splits the layers before FSDP shards them in either order).
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import attrs
 import torch
 
-from stratagem.combinators._base import CombinatorError, check_strategy
+from stratagem.combinators._base import check_strategy, mesh_under, with_mesh
 from stratagem.env import Context
 from stratagem.errors import UsageError, describe, with_submodules
 from stratagem.fields import WrapFn
-from stratagem.meshes import JoinMesh, mesh_with
+from stratagem.meshes import mesh_with
 from stratagem.replicas import copy_rank0
 from stratagem.strategy import Strategy
 from stratagem.validators import is_int, require
@@ -170,24 +170,16 @@ def tensor_parallel(
 
     Raises:
         UsageError: ``strategy`` is not a `Strategy`, ``plan`` or ``size`` is malformed.
-        CombinatorError: ``strategy``'s setup builds no mesh (it is not
-            ``fsdp()``'s ``JoinMesh``, directly), or it is already tensor parallel.
+        CombinatorError: ``strategy``'s setup builds no mesh (no ``fsdp()``
+            ``JoinMesh`` under its layers), or it is already tensor parallel.
     """
     check_strategy(strategy, "tensor_parallel")
     checked_plan = _check_plan(plan)
     require(is_int(size, 2), "tensor_parallel: 'size'", "an int of at least 2", size)
     require(isinstance(async_tp, bool), "tensor_parallel: 'async_tp'", "a bool", async_tp)
-    setup, wrap = strategy.setup, strategy.wrap
-    if isinstance(wrap, TensorParallelWrap):
-        raise CombinatorError(
-            f"tensor_parallel: strategy {strategy.name!r} is already tensor parallel; "
-            "apply it once."
-        )
-    if not isinstance(setup, JoinMesh):
-        raise CombinatorError(NOT_ON_A_MESH.format(name=strategy.name, setup=describe(setup)))
-    return attrs.evolve(
-        strategy,
-        name=f"{strategy.name}+tp{size}",
-        setup=attrs.evolve(setup, tensor_parallel=size),
-        wrap=TensorParallelWrap(wrap, checked_plan, async_tp),
-    )
+    under = mesh_under(strategy, "tensor_parallel", TensorParallelWrap, NOT_ON_A_MESH)
+    # Over other layers it is the outermost wrap, so the plan splits the layers before their
+    # wraps run; under them it runs after theirs, which keep the paths the plan names (a cast,
+    # composable checkpointing). FSDP's sharding comes last in either order.
+    wrap = TensorParallelWrap(strategy.wrap, checked_plan, async_tp)
+    return with_mesh(strategy, under, f"tp{size}", {"tensor_parallel": size}, wrap=wrap)

@@ -34,6 +34,7 @@ from stratagem.combinators.tensor_parallel import tensor_parallel
 from stratagem.env import Context, Env
 from stratagem.errors import UsageError, describe
 from stratagem.fields import StrategyLike
+from stratagem.layers import peel
 from stratagem.planning.simulated_world import simulated_world
 from stratagem.strategies.fsdp import fsdp
 from stratagem.testing.contract import Contract
@@ -198,7 +199,7 @@ def _real_rank(
 
 
 def _check_divides(size: int, strategy: StrategyLike) -> None:
-    split = getattr(strategy.setup, "tensor_parallel", None)
+    split = getattr(peel(strategy.setup)[1], "tensor_parallel", None)  # under any layers
     if isinstance(split, int) and size % split:
         raise UsageError(
             f"check_tensor_parallel: 'size' is {size}, which the strategy's tensor-parallel "
