@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -205,3 +205,52 @@ def train_a_little(strategy: sg.Strategy, ctx: sg.Context) -> float:
         strategy.backward(loss, model, ctx)
         strategy.update(optimizer, model, ctx)
     return float(sg.unwrap(model).weight.detach().sum())
+
+
+# Training a split model against one process (tensor, context and expert parallelism).
+
+
+def mse(model, batch):
+    inputs, targets = batch
+    return torch.nn.functional.mse_loss(model(inputs), targets)
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    return full.detach().cpu().clone()
+
+
+def whole_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, torch.Tensor]:
+    """Every parameter and AdamW slot (but the step count), gathered whole, by name."""
+    plain = sg.unwrap(model)  # names without a wrapper's prefix (DDP's "module.")
+    names = {id(p): n for n, p in plain.named_parameters()}
+    state = {f"model.{n}": whole(p) for n, p in plain.named_parameters()}
+    for parameter, slots in optimizer.state.items():
+        for slot, value in slots.items():
+            if slot != "step":
+                state[f"optimizer.{names[id(parameter)]}.{slot}"] = whole(value)
+    return state
+
+
+def trained_alone(module: torch.nn.Module, batches: Iterable) -> dict[str, torch.Tensor]:
+    """One process's training on the whole batches (AdamW, mse): what every split must equal."""
+    strategy = sg.single_device("cpu")
+    ctx = strategy.setup(sg.Env())
+    model = strategy.wrap(module, ctx)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for batch in batches:
+        loss = strategy.step(model, batch, ctx, forward=mse)
+        strategy.backward(loss, model, ctx)
+        strategy.update(optimizer, model, ctx)
+    return whole_state(model, optimizer)
+
+
+def assert_equal_to_reference(results, expected) -> None:
+    for rank, result in enumerate(results):
+        assert sorted(result["state"]) == sorted(expected), rank
+        for key, value in expected.items():
+            torch.testing.assert_close(
+                result["state"][key], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {key}"
+            )

@@ -19,13 +19,20 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import stratagem as sg
-from helpers import Block, block_plan, make_block
+from helpers import (
+    Block,
+    assert_equal_to_reference,
+    block_plan,
+    make_block,
+    mse,
+    trained_alone,
+    whole_state,
+)
 from kit_strategies import shard_by_global_rank
 from stratagem.combinators.context_parallel import ContextParallelStep, sequence_positions
 from stratagem.meshes import mesh_dims
 from stratagem.testing import LawViolation, check_all
 from stratagem.testing.tolerances import FLOAT32, law_tolerances
-from test_tensor_parallel import assert_equal_to_reference, mse, trained_alone, whole_state
 
 STEPS, BATCH, SEQ = 3, 8, 8
 

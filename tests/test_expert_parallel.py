@@ -19,12 +19,12 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import stratagem as sg
+from helpers import assert_equal_to_reference, mse, trained_alone, whole_state
 from moe import EXPERTS, Experts, make_model
 from stratagem.combinators.expert_parallel import ExpertParallelWrap, expert_slice
 from stratagem.meshes import mesh_dims
 from stratagem.testing import LawViolation, check_all
 from stratagem.testing.laws.parallel import adamw
-from test_tensor_parallel import assert_equal_to_reference, mse, trained_alone, whole_state
 
 STEPS, BATCH, SEQ, WIDTH = 3, 8, 4, 16
 EXPERTS_POLICY = sg.every_module_of(Experts)

@@ -13,7 +13,14 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import stratagem as sg
-from helpers import block_plan, make_block
+from helpers import (
+    assert_equal_to_reference,
+    block_plan,
+    make_block,
+    mse,
+    trained_alone,
+    whole_state,
+)
 from stratagem.combinators.tensor_parallel import TensorParallelWrap
 from stratagem.meshes import mesh_dims
 
@@ -28,16 +35,6 @@ def loader() -> DataLoader:
         torch.randn(STEPS * BATCH, 6, 16, generator=generator),
     )
     return DataLoader(data, batch_size=BATCH)
-
-
-def mse(model, batch):
-    inputs, targets = batch
-    return torch.nn.functional.mse_loss(model(inputs), targets)
-
-
-def whole(tensor: torch.Tensor) -> torch.Tensor:
-    full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-    return full.detach().cpu().clone()
 
 
 def train(strategy, ctx) -> dict[str, object]:
@@ -68,50 +65,14 @@ def trained(strategy, ctx) -> tuple[dict[str, object], dict[str, object]]:
     return result, {"model": model, "optim": optimizer}
 
 
-def whole_state(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer
-) -> dict[str, torch.Tensor]:
-    """Every parameter and AdamW slot (but the step count), gathered whole, by name."""
-    plain = sg.unwrap(model)  # names without a wrapper's prefix (DDP's "module.")
-    names = {id(p): n for n, p in plain.named_parameters()}
-    state = {f"model.{n}": whole(p) for n, p in plain.named_parameters()}
-    for parameter, slots in optimizer.state.items():
-        for slot, value in slots.items():
-            if slot != "step":
-                state[f"optimizer.{names[id(parameter)]}.{slot}"] = whole(value)
-    return state
-
-
 def _per_rank_loader(batches: DataLoader, ctx) -> DataLoader:
     # The global batch of the reference, dealt: each data-parallel rank takes BATCH / dp rows.
     _, size = ctx.data_parallel
     return DataLoader(batches.dataset, batch_size=BATCH // size)
 
 
-def trained_alone(module: torch.nn.Module, batches: DataLoader) -> dict[str, torch.Tensor]:
-    """One process's training on the whole batches (AdamW, mse): what every split must equal."""
-    strategy = sg.single_device("cpu")
-    ctx = strategy.setup(sg.Env())
-    model = strategy.wrap(module, ctx)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    for batch in batches:
-        loss = strategy.step(model, batch, ctx, forward=mse)
-        strategy.backward(loss, model, ctx)
-        strategy.update(optimizer, model, ctx)
-    return whole_state(model, optimizer)
-
-
 def reference() -> dict[str, torch.Tensor]:
     return trained_alone(make_block(seed=0), loader())
-
-
-def assert_equal_to_reference(results, expected) -> None:
-    for rank, result in enumerate(results):
-        assert sorted(result["state"]) == sorted(expected), rank
-        for key, value in expected.items():
-            torch.testing.assert_close(
-                result["state"][key], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {key}"
-            )
 
 
 @pytest.mark.slow

@@ -159,7 +159,7 @@ _NAMES_BY_MODULE: dict[str, tuple[str, ...]] = {
 }
 _WHERE = {name: module for module, names in _NAMES_BY_MODULE.items() for name in names}
 
-__all__ = sorted(_WHERE)  # each name is written twice: in _WHERE and in the imports above
+__all__ = sorted(_WHERE)  # each name is written twice: in _NAMES_BY_MODULE and the imports
 
 
 # Subpackages a script reaches as attributes (``sg.checkpoint.latest(...)``): with

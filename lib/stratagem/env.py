@@ -6,9 +6,10 @@ environments without touching ``os.environ``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Literal, get_args
 
@@ -433,10 +434,11 @@ def _require(environ: Mapping[str, str], names: tuple[str, ...], launcher: str) 
         )
 
 
-def _checked(environ: Mapping[str, str], names: Sequence[str], **fields: Any) -> Env:
-    """Return ``Env(**fields)``; a contradiction is restated with the variables of ``names`` set."""
+@contextlib.contextmanager
+def _restating(environ: Mapping[str, str], names: Sequence[str]) -> Iterator[None]:
+    """Restate a contradiction found inside in terms of the variables of ``names`` that are set."""
     try:
-        return Env(**fields)
+        yield
     except EnvError as error:
         shown = ", ".join(f"{name}={environ[name]!r}" for name in names if name in environ)
         raise EnvError(f"contradictory environment ({shown}): {error}") from None
@@ -446,19 +448,22 @@ def _torchrun(environ: Mapping[str, str]) -> Env:
     names = ("RANK", "WORLD_SIZE")
     _require(environ, names, "torchrun")
     rank, world_size = _int(environ, "RANK"), _int(environ, "WORLD_SIZE")
-    return _checked(
-        environ,
-        (*names, "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
-        rank=rank,
-        local_rank=_int(environ, "LOCAL_RANK", default=rank),
-        world_size=world_size,
-        local_world_size=_int(environ, "LOCAL_WORLD_SIZE", default=world_size),
-        node_rank=_int(environ, "GROUP_RANK", default=0),
-        master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
-        master_port=_int(environ, "MASTER_PORT", default=29500),
-        source="torchrun",
-        agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
-    )
+    local_rank = _int(environ, "LOCAL_RANK", default=rank)
+    local_world_size = _int(environ, "LOCAL_WORLD_SIZE", default=world_size)
+    node_rank = _int(environ, "GROUP_RANK", default=0)
+    port = _int(environ, "MASTER_PORT", default=29500)
+    with _restating(environ, (*names, "LOCAL_RANK", "LOCAL_WORLD_SIZE")):
+        return Env(
+            rank=rank,
+            local_rank=local_rank,
+            world_size=world_size,
+            local_world_size=local_world_size,
+            node_rank=node_rank,
+            master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=port,
+            source="torchrun",
+            agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+        )
 
 
 _TASKS_PER_NODE = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
@@ -523,19 +528,18 @@ def _slurm(environ: Mapping[str, str]) -> Env:
             "SLURM environment has neither MASTER_PORT nor SLURM_JOB_ID; set MASTER_PORT."
         )
     addr = environ.get("MASTER_ADDR") or _slurm_first_host(environ["SLURM_NODELIST"])
-    return _checked(
-        environ,
-        (*names, "SLURM_NODEID", "SLURM_NTASKS_PER_NODE"),
-        rank=rank,
-        local_rank=local_rank,
-        world_size=world_size,
-        local_world_size=local_world_size,
-        node_rank=node_rank,
-        master_addr=addr,
-        master_port=port,
-        source="slurm",
-        agent_store=False,
-    )
+    with _restating(environ, (*names, "SLURM_NODEID", "SLURM_NTASKS_PER_NODE")):
+        return Env(
+            rank=rank,
+            local_rank=local_rank,
+            world_size=world_size,
+            local_world_size=local_world_size,
+            node_rank=node_rank,
+            master_addr=addr,
+            master_port=port,
+            source="slurm",
+            agent_store=False,
+        )
 
 
 def _is_slurm_batch(environ: Mapping[str, str]) -> bool:

@@ -125,6 +125,12 @@ def describe(value: object) -> str:
     return f"{text}, {article} {kind}"
 
 
+def error_line(error: BaseException) -> str:
+    """Return ``error`` in one line, to quote in another message: its type and first line."""
+    first = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first}"
+
+
 def with_submodules(module: Any) -> str:
     """Return ``module``'s type with its first submodule paths, for a message about a bad path."""
     names = [name for name, _ in module.named_modules() if name]

@@ -190,7 +190,9 @@ def flattened_data_mesh(mesh: DeviceMesh, names: MeshNames, beside: str) -> Devi
     )
 
 
-def mesh_with(ctx: Context, role: str, field: str, strategy: str) -> tuple[DeviceMesh, MeshNames]:
+def mesh_with(
+    ctx: Context, role: Literal["tp", "cp", "ep", "pp"], field: str, strategy: str
+) -> tuple[DeviceMesh, MeshNames]:
     """Return ``ctx``'s mesh and its `MeshNames`, refusing a mesh without ``role``'s dimension.
 
     Raises:

@@ -56,7 +56,8 @@ def map_leaves(fn: Callable[[T], Any], tree: Any, kind: type[T]) -> Any:
     if isinstance(tree, kind):
         return fn(tree)
     shape = type(tree)
-    # The usual batch (a plain tuple or list) found by type alone, its leaves mapped without a call.
+    # A plain tuple or list (the usual batch) is found by type alone; any tuple or list has its
+    # tensor leaves mapped without a call each.
     if shape is tuple or shape is list or isinstance(tree, (tuple, list)):
         mapped = [fn(v) if isinstance(v, kind) else map_leaves(fn, v, kind) for v in tree]
         if shape is tuple:

@@ -29,7 +29,7 @@ from stratagem import pending
 from stratagem.checkpoint import directory
 from stratagem.checkpoint.rank_zero import on_main
 from stratagem.env import Context
-from stratagem.errors import CheckpointError, UsageError
+from stratagem.errors import CheckpointError, UsageError, error_line
 from stratagem.validators import is_number, require
 
 __all__ = ["PendingSave", "settle", "start", "unseen_failure"]
@@ -144,7 +144,7 @@ def unseen_failure(target: Path) -> None:
             raise retold(
                 error,
                 f"save: the background save to {str(save.path)!r} failed, and nobody waited "
-                f"for it ({directory.error_line(error)}); so this save to "
+                f"for it ({error_line(error)}); so this save to "
                 f"{str(target)!r} was not made: save again (call wait() on a background "
                 "save's handle to see its error where it happens).",
             ) from None

@@ -75,7 +75,7 @@ import attrs
 import torch
 
 from stratagem.checkpoint.safetensor_files import INDEX
-from stratagem.errors import CheckpointError, UsageError, describe
+from stratagem.errors import CheckpointError, UsageError, describe, error_line
 from stratagem.validators import is_int
 
 if TYPE_CHECKING:
@@ -92,7 +92,6 @@ __all__ = [
     "discard",
     "disk_full",
     "encode",
-    "error_line",
     "exists",
     "latest",
     "pinned",
@@ -874,7 +873,7 @@ def latest(directory: str | os.PathLike[str]) -> Path | None:
     parent = run_directory(directory, "latest")
     if not parent.is_dir():
         return None
-    found = list(_checkpoints_in(parent))
+    found = _checkpoints_in(parent)
     for child in parent.iterdir():
         base = child.with_name(child.name.rsplit(_OLD, 1)[0])
         if _OLD in child.name and not child.is_symlink() and not base.exists():
@@ -965,12 +964,6 @@ def _find_class(module: str, name: str) -> Any:
     if found is None:
         raise pickle.UnpicklingError(f"refused to load {module}.{name}")
     return found
-
-
-def error_line(error: BaseException) -> str:
-    """Return ``error`` in one line, to quote in another message: its type and first line."""
-    first = (str(error).strip().splitlines() or [""])[0]
-    return f"{type(error).__name__}: {first}"
 
 
 def refusal(error: Exception) -> str:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from stratagem import collectives
 from stratagem.checkpoint import background, directory, undo
 from stratagem.checkpoint.background import PendingSave
-from stratagem.checkpoint.directory import Found, decode, error_line, read_metadata, unreadable
+from stratagem.checkpoint.directory import Found, decode, read_metadata, unreadable
 from stratagem.checkpoint.entries import (
     KINDS,
     PER_RANK_KINDS,
@@ -45,7 +45,7 @@ from stratagem.checkpoint.entries import (
 )
 from stratagem.checkpoint.rank_zero import agree, on_main
 from stratagem.env import Context, check_context, host_group
-from stratagem.errors import CheckpointError, UsageError
+from stratagem.errors import CheckpointError, UsageError, error_line
 from stratagem.parts import everyones, everyones_ties
 from stratagem.validators import is_int, require
 
@@ -724,8 +724,9 @@ def _apply(
                 set_model_state_dict(entry.target, state, options=StateDictOptions(strict=strict))
             elif state is not None and entry.kind == "optimizer":
                 owner = cast(torch.nn.Module, entry.owner)  # classify found it for every optimizer
-                options = StateDictOptions(flatten_optimizer_state_dict=entry.name in flat)
-                with _without_grads(entry.target, entry.name in flat):
+                flattened = entry.name in flat
+                options = StateDictOptions(flatten_optimizer_state_dict=flattened)
+                with _without_grads(entry.target) if flattened else contextlib.nullcontext():
                     set_optimizer_state_dict(owner, entry.target, state, options=options)
             elif entry.name in objects:  # an object's state, replicated or this rank's
                 entry.target.load_state_dict(objects[entry.name])
@@ -738,8 +739,8 @@ def _apply(
 
 
 @contextlib.contextmanager
-def _without_grads(optimizer: torch.optim.Optimizer, flat: bool) -> Iterator[None]:
-    """Hide the gradients of an optimizer that never stepped, while its ``flat`` state is set.
+def _without_grads(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Hide the gradients of an optimizer that never stepped, while its flat state is set.
 
     DCP unflattens a state by the slots of the live optimizer, creating them by
     a step with zero gradients, which it skips when any parameter has a
@@ -747,7 +748,7 @@ def _without_grads(optimizer: torch.optim.Optimizer, flat: bool) -> Iterator[Non
     """
     hidden = (
         {}
-        if optimizer.state or not flat
+        if optimizer.state
         else {p: p.grad for group in optimizer.param_groups for p in group["params"]}
     )
     for parameter in hidden:

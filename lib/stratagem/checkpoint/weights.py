@@ -24,11 +24,11 @@ from typing import Any, cast
 import torch
 
 from stratagem.checkpoint import safetensor_files
-from stratagem.checkpoint.directory import WEIGHT_FILES, error_line
+from stratagem.checkpoint.directory import WEIGHT_FILES
 from stratagem.checkpoint.entries import listing, settle, unwrap
 from stratagem.checkpoint.rank_zero import on_main
 from stratagem.env import Context, check_context
-from stratagem.errors import CheckpointError, UsageError, describe
+from stratagem.errors import CheckpointError, UsageError, describe, error_line
 from stratagem.parts import part_of
 from stratagem.validators import is_int, require
 

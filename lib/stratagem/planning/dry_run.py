@@ -23,7 +23,7 @@ from stratagem.errors import DryRunError, StratagemError, UsageError
 from stratagem.fields import ForwardFn, StrategyLike
 from stratagem.planning.collectives import CollectiveRecorder
 from stratagem.planning.layout import read_layout
-from stratagem.planning.report import MEMORY_CATEGORIES, DryRun
+from stratagem.planning.report import DryRun
 from stratagem.planning.simulated_world import simulated_world
 from stratagem.strategy import not_a_strategy
 from stratagem.trees import map_tensors
@@ -37,9 +37,16 @@ __all__ = ["OptimizerFactory", "dry_run"]
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 """Builds the optimizer from the wrapped model's parameters."""
 
-# MemTracker's categories, by the names a DryRun gives them (in the same order).
-_TRACKED = ("Parameter", "Buffer", "Gradient", "Optstate", "Activation", "Temp", "Other")
-_CATEGORIES = dict(zip(_TRACKED, MEMORY_CATEGORIES, strict=True))
+# MemTracker's categories, by the names a DryRun gives them.
+_CATEGORIES = {
+    "Parameter": "parameters",
+    "Buffer": "buffers",
+    "Gradient": "gradients",
+    "Optstate": "optimizer state",
+    "Activation": "activations",
+    "Temp": "temporary",
+    "Other": "other",
+}
 
 T = TypeVar("T")
 

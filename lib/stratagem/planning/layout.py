@@ -46,22 +46,33 @@ def read_layout(module: torch.nn.Module, tp: str = "tp") -> Layout:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, Shard
 
-    found = attrs.asdict(Layout())  # nothing split, until a module says otherwise
+    units = resharded = 0
+    shard_size = replicas = 1
+    rows = columns = 0
+    tp_size = 1
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
             group = sub._get_fsdp_state()._fsdp_param_group  # noqa: SLF001  # FSDP2's group
             if group is not None:
-                found["fsdp_units"] += 1
-                found["resharded_units"] += group.post_forward_mesh_info is not None
-                found["shard_size"] = getattr(group.mesh_info, "shard_mesh_size", 1)
-                found["replicas"] = getattr(group.mesh_info, "replicate_mesh_size", 1)
+                units += 1
+                resharded += group.post_forward_mesh_info is not None
+                shard_size = getattr(group.mesh_info, "shard_mesh_size", 1)
+                replicas = getattr(group.mesh_info, "replicate_mesh_size", 1)
         weight = getattr(sub, "weight", None)
         if isinstance(sub, torch.nn.Linear) and isinstance(weight, DTensor):
             names = weight.device_mesh.mesh_dim_names or ()
             if tp in names:
                 dim = names.index(tp)
-                found["tp_size"] = weight.device_mesh.size(dim)
+                tp_size = weight.device_mesh.size(dim)
                 placement = weight.placements[dim]
-                found["row_splits"] += placement == Shard(1)
-                found["column_splits"] += placement == Shard(0)
-    return Layout(**found)
+                rows += placement == Shard(1)
+                columns += placement == Shard(0)
+    return Layout(
+        fsdp_units=units,
+        resharded_units=resharded,
+        shard_size=shard_size,
+        replicas=replicas,
+        row_splits=rows,
+        column_splits=columns,
+        tp_size=tp_size,
+    )

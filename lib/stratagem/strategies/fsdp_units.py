@@ -265,8 +265,9 @@ class WrapFSDP:
             shard_groups(module, self.groups, options, check)
         if self.shard_when is not None:
             # Post-order: a policy sees a module after its chosen descendants are sharded.
+            who = f"shard_when {self.shard_when!r}"
             for child in [m for m in _bottom_up(module) if _has_forward(m)]:
-                if decision(self.shard_when, child, f"shard_when {self.shard_when!r}"):
+                if decision(self.shard_when, child, who):
                     fully_shard(child, **options)
         fully_shard(module, **options)
         return module
