@@ -261,6 +261,7 @@ def test_combinators_on_either_side_of_expert_parallel_pass_every_law(order):
         )
         strategy = sg.expert_parallel(mixed, experts=experts)
     report = check_all(strategy, world_size=2, module=make_model(), batch=batch(8))
-    assert {"wrap-preserves", "data-parallel-step", "accumulation", "ranks-in-sync"} <= set(
-        report.passed
-    )
+    expected = {"wrap-preserves", "data-parallel-step", "accumulation", "ranks-in-sync"}
+    if order != "ep innermost":  # the precision law runs on the stack that applies one
+        expected.add("precision-close-to-float32")
+    assert expected <= set(report.passed)

@@ -179,6 +179,19 @@ def test_ddp_refuses_the_module_from_before_wrap_in_step_and_update(combine) -> 
         strategy.teardown(ctx)
 
 
+def test_a_pair_trusted_before_ddp_wrapped_its_module_is_checked_again(ddp_world) -> None:
+    # update trusts an (optimizer, module) pair once it passed every check; ddp's wrap putting
+    # that module inside its wrapper must end the trust, or the next update steps it unsynced.
+    strategy, ctx = ddp_world
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    plain = sg.single_device("cpu")
+    plain.update(optimizer, model, plain.setup(sg.Env()))  # the pair is now known and trusted
+    strategy.wrap(model, ctx)
+    with pytest.raises(sg.UsageError, match=r"^update: 'module' is the Linear from before"):
+        strategy.update(optimizer, model, ctx)
+
+
 def test_ddp_step_accepts_the_wrapped_module_under_combinators(ddp_world) -> None:
     _, ctx = ddp_world
     strategy = sg.with_precision(sg.with_clipping(sg.ddp(device="cpu"), max_norm=1.0), "bf16-mixed")

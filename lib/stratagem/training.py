@@ -33,6 +33,7 @@ __all__ = [
     "check_not_inside",
     "check_optimizer",
     "check_optimizer_holds",
+    "check_update",
     "mark_inside_a_wrapper",
     "move_batch",
     "move_to_device",
@@ -114,8 +115,8 @@ def _dead() -> None:
     return None
 
 
-# Weak references of the last (optimizer, module) pair found to be fine: update tests it inline
-# (two dereferences) before calling check_optimizer_holds, which tests it first too.
+# Weak references of the last (optimizer, module) pair whose update passed every check
+# (`check_update`): the usual loop's pair, trusted from then on for two dereferences a step.
 _HELD_PAIR: list[Any] = [_dead, _dead]
 
 
@@ -141,7 +142,6 @@ def check_optimizer_holds(optimizer: Any, module: object, function: str) -> None
     except TypeError:  # an optimizer-like object without weak references: checked every time
         known = None
     if known is not None and module in known:
-        _remember(optimizer, module)
         return
     if not isinstance(module, torch.nn.Module):
         return  # the field's own check names it
@@ -157,11 +157,31 @@ def check_optimizer_holds(optimizer: Any, module: object, function: str) -> None
         if known is None:
             known = _HOLDS.setdefault(optimizer, weakref.WeakSet())
         known.add(module)
-        _remember(optimizer, module)
 
 
-def _remember(optimizer: Any, module: object) -> None:
-    _HELD_PAIR[:] = [weakref.ref(optimizer), weakref.ref(module)]
+def check_update(optimizer: Any, module: object, ctx: object, function: str = "update") -> None:
+    """Check an update's arguments once per (optimizer, module) pair; then trust them.
+
+    Every layer of an update calls this first, so the checks run where the
+    arguments enter and cost the outermost layer two dereferences per step
+    once the loop's pair is known; inner layers find the pair known too.
+
+    Raises:
+        UsageError: ``optimizer`` cannot step, ``ctx`` is not a `Context`,
+            ``optimizer`` holds none of ``module``'s parameters
+            (`OPTIMIZER_NOT_FOR_MODULE`), or ``module`` is one that ``ddp()``'s
+            wrap put inside its wrapper (`UNWRAPPED_UNDER_DDP`).
+    """
+    last_optimizer, last_module = _HELD_PAIR
+    if last_optimizer() is optimizer and last_module() is module and ctx.__class__ is Context:
+        return
+    check_optimizer(optimizer, function)
+    check_context(ctx, function)
+    check_not_inside(module, function)
+    check_optimizer_holds(optimizer, module, function)
+    if not isinstance(optimizer, OptimizerHook):  # a hook is made anew for every update
+        with contextlib.suppress(TypeError):  # no weak references: checked every time
+            _HELD_PAIR[:] = [weakref.ref(optimizer), weakref.ref(module)]
 
 
 UNWRAPPED_UNDER_DDP = (
@@ -185,6 +205,7 @@ def mark_inside_a_wrapper(module: torch.nn.Module) -> None:
         _INSIDE.pop(key, None)
 
     _INSIDE[key] = weakref.ref(module, forget)
+    _HELD_PAIR[:] = [_dead, _dead]  # a pair known before may now name the module inside
 
 
 def check_not_inside(module: object, function: str) -> None:
@@ -327,19 +348,9 @@ def update(optimizer: torch.optim.Optimizer, module: torch.nn.Module, ctx: Conte
     """Step ``optimizer``, then set the gradients to ``None``.
 
     Raises:
-        UsageError: ``optimizer`` cannot step, ``ctx`` is not a `Context`,
-            ``optimizer`` holds none of ``module``'s parameters (`OPTIMIZER_NOT_FOR_MODULE`),
-            or ``module`` is one that ``ddp()``'s wrap put inside its wrapper.
+        UsageError: as `check_update`.
     """
-    # One test in the usual case (every step runs this); the checks and their messages after.
-    if not (isinstance(optimizer, torch.optim.Optimizer) and ctx.__class__ is Context):
-        check_optimizer(optimizer, "update")
-        check_context(ctx, "update")
-    if _INSIDE:  # a program that never wrapped with DDP pays a truth test only
-        check_not_inside(module, "update")
-    last_optimizer, last_module = _HELD_PAIR
-    if not (last_optimizer() is optimizer and last_module() is module):  # the usual loop's pair
-        check_optimizer_holds(optimizer, module, "update")
+    check_update(optimizer, module, ctx)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 

@@ -24,14 +24,7 @@ from stratagem.fields import (
     UpdateFn,
 )
 from stratagem.strategy import Strategy, applied
-from stratagem.training import (
-    backward,
-    check_loss,
-    check_module,
-    check_optimizer,
-    check_optimizer_holds,
-    no_sync,
-)
+from stratagem.training import backward, check_loss, check_module, check_update, no_sync
 from stratagem.validators import is_int, require
 
 __all__ = ["AccumulationState", "Every", "Normalize", "accumulate", "resolved_every"]
@@ -180,9 +173,7 @@ class AccumulationUpdate:
     def __call__(
         self, optimizer: torch.optim.Optimizer, module: torch.nn.Module, ctx: Context
     ) -> None:
-        # Every call, not only each window's last: a bad optimizer fails at once, not at N.
-        check_optimizer(optimizer, "update")
-        check_optimizer_holds(optimizer, module, "update")  # a lookup once the pair is known
+        check_update(optimizer, module, ctx)  # every call: a bad optimizer fails at once, not at N
         state = ctx.extras.get("accumulation") if ctx.__class__ is Context else None
         if state.__class__ is not AccumulationState:
             state = _state(ctx, "update")

@@ -12,20 +12,14 @@ import attrs
 import torch
 
 from stratagem.combinators._base import check_once, check_strategy
-from stratagem.env import Context, Env, check_context
+from stratagem.env import Context, Env
 from stratagem.errors import UsageError
 from stratagem.fields import SetupFn, UpdateFn
 from stratagem.optimizer_hooks import OptimizerHook, root_optimizer
 from stratagem.parts import part_of
 from stratagem.precisions import precision_of
 from stratagem.strategy import Strategy
-from stratagem.training import (
-    check_not_inside,
-    check_optimizer,
-    check_optimizer_holds,
-    clip_norm_,
-    update,
-)
+from stratagem.training import check_update, clip_norm_, update
 from stratagem.validators import is_number, require
 
 __all__ = ["ClipState", "with_clipping"]
@@ -108,15 +102,10 @@ class ClipUpdate:
     def __call__(
         self, optimizer: torch.optim.Optimizer, module: torch.nn.Module, ctx: Context
     ) -> None:
-        # One test in the usual case (every step runs this); the checks and their messages after.
-        if not (isinstance(optimizer, torch.optim.Optimizer) and ctx.__class__ is Context):
-            check_optimizer(optimizer, "update")
-            check_context(ctx, "update")
+        check_update(optimizer, module, ctx)
         if self.inner is update:
             # The plain update is step, then zero_grad: clipping before it is clipping inside
             # its step, without a hook around the optimizer (a tenth of a tiny step's time).
-            check_not_inside(module, "update")  # update's own checks, as it makes them
-            check_optimizer_holds(optimizer, module, "update")
             self.clip(optimizer, module, ctx)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

@@ -245,13 +245,7 @@ class ContextParallelStep:
     reorders_model_sums: ClassVar[bool] = True
 
     def __call__(
-        self,
-        module: torch.nn.Module,
-        batch: Any,
-        ctx: Context,
-        /,
-        *,
-        forward: ForwardFn | None = None,
+        self, module: torch.nn.Module, batch: Any, ctx: Context, *, forward: ForwardFn | None = None
     ) -> Any:
         mesh, names = mesh_with(ctx, "cp", "step", "context_parallel")
         group_mesh = mesh[names.cp]

@@ -29,7 +29,7 @@ import attrs
 import torch
 
 from stratagem import training
-from stratagem.env import Context, check_context
+from stratagem.env import Context
 from stratagem.launching import Spawn, spawned
 from stratagem.process_group import WorldOptions
 from stratagem.replicas import copy_rank0
@@ -86,14 +86,9 @@ class AllreduceThenStep:
     compression: Compression | None = attrs.field(default=None, validator=_COMPRESSION)
 
     def __call__(self, optimizer: torch.optim.Optimizer, module: object, ctx: Context) -> None:
-        # Before any collective, so that every rank fails alike; one test in the usual case (a
-        # step runs this), the checks and their messages after.
-        usual = isinstance(optimizer, torch.optim.Optimizer) and ctx.__class__ is Context
-        if not (usual and isinstance(module, torch.nn.Module)):
-            training.check_optimizer(optimizer, "update")
-            module = training.check_module(module, "update")
-            check_context(ctx, "update")
-        training.check_optimizer_holds(optimizer, module, "update")  # a lookup once known
+        # Before any collective, so that every rank fails alike.
+        training.check_update(optimizer, module, ctx)
+        module = training.check_module(module, "update")
         # is_distributed(ctx), without its two calls: a world of one has nothing to average.
         if ctx.group is not None and ctx.env.world_size > 1:
             average_gradients_overlapped(

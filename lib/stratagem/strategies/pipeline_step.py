@@ -22,7 +22,7 @@ from stratagem.fields import ForwardFn
 from stratagem.replicas import bucketed
 from stratagem.strategies.pipeline_loss import FORWARD_NOT_HONOURED
 from stratagem.strategies.pipeline_stages import run_of
-from stratagem.training import check_module, check_optimizer, check_optimizer_holds, move_batch
+from stratagem.training import check_module, check_update, move_batch
 from stratagem.trees import map_tensors, tensors_in
 from stratagem.validators import require
 
@@ -183,10 +183,8 @@ def pipeline_update(
             parameters (`OPTIMIZER_NOT_FOR_MODULE`), ``module`` is not a
             pipeline's, or ``ctx`` is not a `Context`.
     """
-    check_optimizer(optimizer, "update")
-    check_context(ctx, "update")
+    check_update(optimizer, module, ctx)
     run = run_of(check_module(module, "update"), "update")
-    check_optimizer_holds(optimizer, module, "update")  # a lookup once the pair is known
     if run.dp_group is not None:
         grads = [p.grad for p in module.parameters() if p.grad is not None]
 
