@@ -25,7 +25,9 @@ if TYPE_CHECKING:
     from stratagem.env import Context
 
 __all__ = [
+    "AUTOCAST_DTYPES",
     "BATCH_NORMS",
+    "DTYPES",
     "PRECISIONS",
     "Precision",
     "PrecisionState",

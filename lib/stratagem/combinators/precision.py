@@ -60,16 +60,6 @@ class PrecisionSetup:
     inner: SetupFn
     precision: str
 
-    @property
-    def dtype(self) -> torch.dtype:
-        """The dtype this precision computes in (what the testing kit derives tolerances from)."""
-        return DTYPES[self.precision]
-
-    @property
-    def mixed(self) -> bool:
-        """Whether parameters stay float32 and only the forward runs in ``dtype`` (autocast)."""
-        return is_mixed(self.precision)
-
     def __call__(self, env: Env) -> Context:
         ctx = self.inner(env)
         _check_device(self.precision, ctx.device)

@@ -18,17 +18,13 @@ from stratagem.combinators.compiled import CompiledWrap
 from stratagem.combinators.precision import PrecisionSetup
 from stratagem.errors import UsageError, describe
 from stratagem.fields import REDUCE_OPS, ReduceOp
+from stratagem.precisions import AUTOCAST_DTYPES
 from stratagem.strategy import StrategyLike, applied
 from stratagem.testing import laws
 from stratagem.testing.contract import Contract
 from stratagem.testing.laws._core import squares_mean
-from stratagem.testing.laws.parallel import (
-    Forward,
-    OptimizerFactory,
-    adamw,
-    backward_in_step,
-    sgd_momentum,
-)
+from stratagem.testing.laws.options import Forward, OptimizerFactory, adamw, sgd_momentum
+from stratagem.testing.laws.parallel import backward_in_step
 from stratagem.testing.modules import default_modules, mlp
 from stratagem.testing.tolerances import compute_dtype, mixed_precision
 from stratagem.testing.world import World
@@ -252,9 +248,10 @@ def check_all(
                         forward=loss)  # fmt: skip
         run("purity", laws.check_purity, strategy, first, data, world=running, forward=loss)
         precision = applied(strategy, PrecisionSetup)
-        if precision is not None and precision.mixed:
+        autocast = AUTOCAST_DTYPES.get(precision.precision) if precision is not None else None
+        if autocast is not None:
             run("step-autocast", laws.check_step_autocast, strategy, first, data,
-                precision.dtype, world=running, forward=forward)  # fmt: skip
+                autocast, world=running, forward=forward)  # fmt: skip
         low = compute_dtype(strategy) != torch.float32
         if low:
             run("precision-close-to-float32", laws.check_precision, strategy, first, data,

@@ -26,6 +26,7 @@ import torch
 from stratagem.combinators.accumulation import AccumulationSetup
 from stratagem.combinators.precision import PrecisionSetup
 from stratagem.layers import in_reference, peel, rebased
+from stratagem.precisions import AUTOCAST_DTYPES
 from stratagem.strategies.ddp import WrapDDP
 from stratagem.strategies.fsdp_units import WrapFSDP
 from stratagem.strategies.single import single_device
@@ -77,7 +78,7 @@ def _norms_in_float32(strategy: StrategyLike) -> bool:
     param_dtype = getattr(fsdp.mp_policy, "param_dtype", None)
     if param_dtype is None:  # a mixed precision gives fsdp its policy at wrap, from the context
         precision = applied(strategy, PrecisionSetup)
-        param_dtype = precision.dtype if precision is not None and precision.mixed else None
+        param_dtype = AUTOCAST_DTYPES.get(precision.precision) if precision is not None else None
     return param_dtype is not None and param_dtype != torch.float32
 
 

@@ -45,6 +45,7 @@ from stratagem.combinators.precision import (
     ScaledUpdate,
 )
 from stratagem.layers import peel, rebased
+from stratagem.precisions import DTYPES, is_mixed
 from stratagem.strategies.fsdp_units import WrapFSDP
 from stratagem.strategy import FIELD_SIGNATURES, Strategy, StrategyLike, applied
 
@@ -117,7 +118,7 @@ def compute_dtype(strategy: StrategyLike) -> torch.dtype:
     """
     precision = _applied_precision(strategy)
     if precision is not None:
-        return precision.dtype
+        return DTYPES[precision.precision]
     declared = _declared(strategy)
     if declared is not None:
         return declared
@@ -130,7 +131,7 @@ def compute_dtype(strategy: StrategyLike) -> torch.dtype:
 def mixed_precision(strategy: StrategyLike) -> bool:
     """Whether the parameters stay float32 (autocast, or fsdp's policy) under a low dtype."""
     precision = _applied_precision(strategy)
-    return precision.mixed if precision is not None else True
+    return is_mixed(precision.precision) if precision is not None else True
 
 
 OUTLIERS = 0.01

@@ -2,7 +2,13 @@
 
 Each raises `LawViolation` (an ``AssertionError``) naming the law, the
 strategy, the input and the difference found. Laws that need several ranks
-take a `World` (``world=``) or start one for the call. A law of your own is
+take a `World` (``world=``) or start one for the call. The keywords the laws
+share (``world``, ``world_size``, ``forward``, ``optimizer``, ``contract``,
+``steps``, ``reference``) are typed and given their defaults once, in
+`stratagem.testing.laws.options`; a law takes its group of them as
+``**options`` (`RunOptions`, `LossOptions`, `TrainingOptions`,
+`ReferenceOptions`) and refuses, with a ``TypeError`` naming those it takes,
+a keyword it does not take. A law of your own is
 built from the same parts: `run_on` (a function on every rank, results in
 rank order), `snapshot` (a module's and optimizer's whole state by key),
 `first_difference` (by key, with tolerances) and `LawViolation`.
@@ -28,14 +34,18 @@ from stratagem.testing.laws.collectives import check_reduce_idempotent as check_
 from stratagem.testing.laws.collectives import (
     check_single_rank_identities as check_single_rank_identities,
 )
+from stratagem.testing.laws.options import LossOptions as LossOptions
+from stratagem.testing.laws.options import ReferenceOptions as ReferenceOptions
+from stratagem.testing.laws.options import RunOptions as RunOptions
+from stratagem.testing.laws.options import TrainingOptions as TrainingOptions
+from stratagem.testing.laws.options import adamw as adamw
+from stratagem.testing.laws.options import sgd as sgd
+from stratagem.testing.laws.options import sgd_momentum as sgd_momentum
 from stratagem.testing.laws.oracles import (
     check_combinator_arithmetic as check_combinator_arithmetic,
 )
-from stratagem.testing.laws.parallel import adamw as adamw
 from stratagem.testing.laws.parallel import check_accumulation as check_accumulation
 from stratagem.testing.laws.parallel import check_data_parallel_step as check_data_parallel_step
-from stratagem.testing.laws.parallel import sgd as sgd
-from stratagem.testing.laws.parallel import sgd_momentum as sgd_momentum
 from stratagem.testing.laws.pipeline_schedule import (
     check_pipeline_schedule as check_pipeline_schedule,
 )
@@ -45,6 +55,7 @@ from stratagem.testing.laws.sharding import check_shard_partition as check_shard
 from stratagem.testing.laws.state import first_difference as first_difference
 from stratagem.testing.laws.state import snapshot as snapshot
 from stratagem.testing.laws.sync import check_ranks_in_sync as check_ranks_in_sync
+from stratagem.testing.laws.tensor_parallel import SplitOptions as SplitOptions
 from stratagem.testing.laws.tensor_parallel import check_tensor_parallel as check_tensor_parallel
 from stratagem.testing.laws.tensor_parallel import tensor_parallel_run as tensor_parallel_run
 from stratagem.testing.laws.training import check_no_sync as check_no_sync
@@ -54,6 +65,11 @@ from stratagem.testing.laws.training import check_wrap as check_wrap
 
 __all__ = [
     "LawViolation",
+    "LossOptions",
+    "ReferenceOptions",
+    "RunOptions",
+    "SplitOptions",
+    "TrainingOptions",
     "adamw",
     "check_accumulation",
     "check_broadcast",

@@ -7,8 +7,8 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Unpack
 
 import torch
 
@@ -26,17 +26,14 @@ from stratagem.testing.laws._core import (
     max_difference,
     own_share,
     run_on,
-    squares_mean,
     summarize,
 )
+from stratagem.testing.laws.options import Forward, LossOptions, RunOptions, settings
 from stratagem.testing.laws.state import first_difference, snapshot
-from stratagem.testing.world import World
 
 __all__ = ["check_checkpoint_resume", "check_checkpoint_round_trip", "check_checkpoint_strict"]
 
 _PLAIN_VALUES = {"step": 3, "note": "law"}
-
-Forward = Callable[[torch.nn.Module, Any], torch.Tensor]
 
 
 def _round_trip_rank(
@@ -45,8 +42,8 @@ def _round_trip_rank(
     module: torch.nn.Module,
     batch: Any,
     path: str,
-    updates: int = 1,
-    forward: Forward = squares_mean,
+    updates: int,
+    forward: Forward,
 ) -> dict[str, Any]:
     model = strategy.wrap(fresh_copy(module), ctx)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # momentum: real state
@@ -89,11 +86,9 @@ def check_checkpoint_round_trip(
     *,
     portable_to: StrategyLike | None = None,
     directory: str | os.PathLike[str] | None = None,
-    world: World | None = None,
-    world_size: int = 2,
     updates: int = 1,
     contract: Contract | None = None,
-    forward: Forward = squares_mean,
+    **options: Unpack[LossOptions],
 ) -> None:
     """Law ``checkpoint-round-trip``: load after save restores the whole state, key by key.
 
@@ -112,28 +107,30 @@ def check_checkpoint_round_trip(
         batch: the batch for that step (its length divisible by the world size).
         portable_to: a single-process strategy that must read the checkpoint.
         directory: where to write (a temporary directory when omitted).
-        world: the `World` to run on.
-        world_size: ranks to start when ``world`` is omitted.
         updates: updates before the save (a strategy that synchronises every k
             updates is saved after k, when its ranks agree).
         contract: with ``optimizer_state="sharded"``, each rank's optimizer
             state must come back as that rank saved it.
-        forward: a module-level function ``(module, batch) -> loss`` (for an
-            ``(inputs, targets)`` batch, or a pipeline, which needs one).
+        **options: `LossOptions`: ``world`` (None: a `World` of
+            ``world_size=2`` ranks is started), ``forward=squares_mean`` (give
+            one for an ``(inputs, targets)`` batch, or a pipeline, which needs one).
 
     A pipeline's stage holds the keys of its stages: each comes back as the
     first rank holding it saved it.
 
     Raises:
         LawViolation: something saved did not come back as it was.
+        TypeError: a keyword the law does not take.
     """
-    size = world.world_size if world is not None else world_size
+    own = ["portable_to", "directory", "updates", "contract"]
+    given = settings("check_checkpoint_round_trip", options, LossOptions, own=own)
     inputs = f"module={summarize(module)}, batch={summarize(batch)}"
     with _directory(directory) as root:
         path = os.path.join(root, "checkpoint")
         results = run_on(
-            world, size, _round_trip_rank, strategy, module, batch, path, updates, forward
-        )
+            given.world, given.ranks, _round_trip_rank, strategy, module, batch, path, updates,
+            given.forward,
+        )  # fmt: skip
         # Every rank loads what the checkpoint holds: rank 0's copy of the replicated state
         # (whole tensors, so shards compare alike), never a mixture of ranks. A pipeline's
         # stages hold parts: each key as the first rank that holds it saved it.
@@ -254,24 +251,26 @@ def check_checkpoint_strict(
     module: torch.nn.Module,
     *,
     directory: str | os.PathLike[str] | None = None,
-    world: World | None = None,
-    world_size: int = 2,
+    **options: Unpack[RunOptions],
 ) -> None:
     """Law ``checkpoint-strict``: a load refuses keys that do not match; per-rank values return.
 
     Loading a checkpoint that lacks a key the target has must raise, and so
     must one that holds a key the target lacks; a value saved with
-    ``sg.per_rank`` comes back to the rank that saved it.
+    ``sg.per_rank`` comes back to the rank that saved it. ``directory`` is
+    where to write (a temporary directory when omitted); ``**options``
+    (`RunOptions`): ``world``, ``world_size=2``.
 
     Raises:
         LawViolation: a mismatched load went through silently, or a rank got
             another rank's per-rank value.
+        TypeError: a keyword the law does not take.
     """
-    size = world.world_size if world is not None else world_size
+    given = settings("check_checkpoint_strict", options, RunOptions, own=["directory"])
     inputs = f"module={summarize(module)}"
     with _directory(directory) as root:
         path = os.path.join(root, "strict")
-        results = run_on(world, size, _strict_rank, strategy, module, path)
+        results = run_on(given.world, given.ranks, _strict_rank, strategy, module, path)
     for rank, outcome in enumerate(results):
         for case, what in (
             ("missing", "a checkpoint that lacks a key of the target"),
@@ -393,10 +392,8 @@ def check_checkpoint_resume(
     batch: Any,
     *,
     directory: str | os.PathLike[str] | None = None,
-    world: World | None = None,
-    world_size: int = 2,
     contract: Contract | None = None,
-    forward: Forward = squares_mean,
+    **options: Unpack[LossOptions],
 ) -> None:
     """Law ``checkpoint-resume``: a load restores what was saved, whatever happened after the save.
 
@@ -412,17 +409,24 @@ def check_checkpoint_resume(
     (the law then waits and loads again); a background save made through
     `stratagem.checkpoint` has its commit held back a moment, so that a load
     that does not wait reads the first checkpoint every time, never by race.
+    ``directory`` and ``contract`` are `check_checkpoint_round_trip`'s;
+    ``**options`` (`LossOptions`): ``world``, ``world_size=2``,
+    ``forward=squares_mean``.
 
     Raises:
         LawViolation: the loaded state, settings or scheduler differ from
             what the second save held, or ``load`` returned while that save
             was still in flight.
+        TypeError: a keyword the law does not take.
     """
-    size = world.world_size if world is not None else world_size
+    own = ["directory", "contract"]
+    given = settings("check_checkpoint_resume", options, LossOptions, own=own)
     inputs = f"module={summarize(module)}, batch={summarize(batch)}"
     with _directory(directory) as root:
         path = os.path.join(root, "resume")
-        results = run_on(world, size, _resume_rank, strategy, module, batch, path, forward)
+        results = run_on(
+            given.world, given.ranks, _resume_rank, strategy, module, batch, path, given.forward
+        )
     first_saved = _first_holder([r["state"] for r in results])
     sharded = contract is not None and contract.optimizer_state == "sharded"
     for rank, result in enumerate(results):

@@ -14,6 +14,7 @@ from stratagem.testing.laws._core import LawViolation, max_difference, run_on, s
 from stratagem.testing.world import World
 
 __all__ = [
+    "PerRank",
     "check_broadcast",
     "check_gather",
     "check_reduce",
@@ -21,8 +22,11 @@ __all__ = [
     "check_single_rank_identities",
 ]
 
+PerRank = Sequence[torch.Tensor]
+"""One tensor per rank, in rank order: what rank ``r`` passes to the collective is ``values[r]``."""
 
-def _world_size(values: Sequence[torch.Tensor], world: World | None) -> int:
+
+def _world_size(values: PerRank, world: World | None) -> int:
     if world is not None and world.world_size != len(values):
         raise UsageError(
             f"law input has {len(values)} per-rank values but the World has {world.world_size} "
@@ -50,7 +54,7 @@ def _tolerance(dtype: torch.dtype, expected: torch.Tensor, world_size: int) -> f
     return float(torch.finfo(dtype).eps) * float(expected.abs().max()) * world_size
 
 
-def _expected(values: Sequence[torch.Tensor], op: str) -> torch.Tensor:
+def _expected(values: PerRank, op: str) -> torch.Tensor:
     stacked = torch.stack([v.double() for v in values])
     if op == "sum":
         return stacked.sum(0)
@@ -60,22 +64,23 @@ def _expected(values: Sequence[torch.Tensor], op: str) -> torch.Tensor:
 
 
 def _reduce_rank(
-    strategy: StrategyLike, ctx: Any, values: Sequence[torch.Tensor], op: ReduceOp
-) -> list[tuple[str, torch.Tensor, bool]]:
+    strategy: StrategyLike, ctx: Any, values: PerRank, op: ReduceOp, times: int
+) -> list[tuple[str, list[torch.Tensor], bool]]:
+    """Reduce this rank's value ``times`` times over (each result again), wherever it is placed.
+
+    Returns, per placement: where, each reduction's result, and whether the input is unchanged.
+    """
     out = []
     for where, mine in _placed(values[ctx.rank], ctx):
-        before = mine.clone()
-        result = strategy.reduce(mine, op, ctx)
-        out.append((where, result, torch.equal(mine, before)))
+        before, results = mine.clone(), [mine]
+        for _ in range(times):
+            results.append(strategy.reduce(results[-1], op, ctx))
+        out.append((where, results[1:], torch.equal(mine, before)))
     return out
 
 
 def check_reduce(
-    strategy: StrategyLike,
-    values: Sequence[torch.Tensor],
-    op: ReduceOp,
-    *,
-    world: World | None = None,
+    strategy: StrategyLike, values: PerRank, op: ReduceOp, *, world: World | None = None
 ) -> None:
     """Law ``reduce-arithmetic``: rank ``r`` reducing ``values[r]`` gets ``op`` over all values.
 
@@ -91,10 +96,10 @@ def check_reduce(
         LawViolation: a rank's result differs from the arithmetic.
     """
     world_size = _world_size(values, world)
-    results = run_on(world, world_size, _reduce_rank, strategy, list(values), op)
+    results = run_on(world, world_size, _reduce_rank, strategy, list(values), op, 1)
     expected = _expected(values, op)
     inputs = f"op={op!r}, values={summarize(list(values))}"
-    for rank, (where, result, unchanged) in (
+    for rank, (where, [result], unchanged) in (
         (rank, placed) for rank, per_rank in enumerate(results) for placed in per_rank
     ):
         if not unchanged:
@@ -127,22 +132,8 @@ def check_reduce(
             )
 
 
-def _twice_rank(
-    strategy: StrategyLike, ctx: Any, values: Sequence[torch.Tensor], op: ReduceOp
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    out = []
-    for _, mine in _placed(values[ctx.rank], ctx):
-        once = strategy.reduce(mine, op, ctx)
-        out.append((once, strategy.reduce(once, op, ctx)))
-    return out
-
-
 def check_reduce_idempotent(
-    strategy: StrategyLike,
-    values: Sequence[torch.Tensor],
-    op: ReduceOp,
-    *,
-    world: World | None = None,
+    strategy: StrategyLike, values: PerRank, op: ReduceOp, *, world: World | None = None
 ) -> None:
     """Law ``reduce-idempotent``: reducing a reduced value again (mean, max, min) changes nothing.
 
@@ -153,8 +144,8 @@ def check_reduce_idempotent(
     if op == "sum":
         raise UsageError("check_reduce_idempotent: 'sum' is not idempotent; use mean, max or min.")
     world_size = _world_size(values, world)
-    results = run_on(world, world_size, _twice_rank, strategy, list(values), op)
-    for rank, (once, twice) in ((r, pair) for r, pairs in enumerate(results) for pair in pairs):
+    results = run_on(world, world_size, _reduce_rank, strategy, list(values), op, 2)
+    for rank, (_, [once, twice], _) in ((r, got) for r, gots in enumerate(results) for got in gots):
         difference = max_difference(once, twice)
         if not difference <= _tolerance(once.dtype, once.double(), world_size):
             raise LawViolation(
@@ -166,14 +157,12 @@ def check_reduce_idempotent(
 
 
 def _gather_rank(
-    strategy: StrategyLike, ctx: Any, values: Sequence[torch.Tensor]
+    strategy: StrategyLike, ctx: Any, values: PerRank
 ) -> list[tuple[str, torch.Tensor]]:
     return [(where, strategy.gather(mine, ctx)) for where, mine in _placed(values[ctx.rank], ctx)]
 
 
-def check_gather(
-    strategy: StrategyLike, values: Sequence[torch.Tensor], *, world: World | None = None
-) -> None:
+def check_gather(strategy: StrategyLike, values: PerRank, *, world: World | None = None) -> None:
     """Law ``gather-order``: every rank gets ``stack(values)``: rank order, a new first dimension.
 
     Raises:
@@ -194,7 +183,7 @@ def check_gather(
             )
 
 
-def _broadcast_rank(strategy: StrategyLike, ctx: Any, values: Sequence[torch.Tensor]) -> list[Any]:
+def _broadcast_rank(strategy: StrategyLike, ctx: Any, values: PerRank) -> list[Any]:
     out = []
     for where, mine in _placed(values[ctx.rank], ctx):
         for src in range(ctx.world_size):
@@ -205,9 +194,7 @@ def _broadcast_rank(strategy: StrategyLike, ctx: Any, values: Sequence[torch.Ten
     return out
 
 
-def check_broadcast(
-    strategy: StrategyLike, values: Sequence[torch.Tensor], *, world: World | None = None
-) -> None:
+def check_broadcast(strategy: StrategyLike, values: PerRank, *, world: World | None = None) -> None:
     """Law ``broadcast-from-every-source``: every rank gets ``src``'s tensor and object.
 
     Raises:

@@ -24,7 +24,7 @@ after every update.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
@@ -32,7 +32,6 @@ from stratagem.combinators.accumulation import AccumulationState
 from stratagem.combinators.clipping import ClipUpdate
 from stratagem.errors import UsageError
 from stratagem.strategy import StrategyLike, applied
-from stratagem.testing.contract import Contract
 from stratagem.testing.laws._core import (
     LawViolation,
     holds_part,
@@ -40,27 +39,30 @@ from stratagem.testing.laws._core import (
     own_share,
     run_on,
     share,
-    squares_mean,
     summarize,
 )
-from stratagem.testing.laws.parallel import (
+from stratagem.testing.laws.options import (
     Forward,
+    LawSettings,
     OptimizerFactory,
+    TrainingOptions,
+    settings,
+    sgd,
+)
+from stratagem.testing.laws.parallel import (
     _agreed_skips,
     _check_inputs,
-    _contract,
     _skipped,
-    _steps,
     backward_in_step,
-    sgd,
 )
 from stratagem.testing.laws.state import first_difference
 from stratagem.testing.tolerances import FLOAT32, compute_dtype, law_tolerances
-from stratagem.testing.world import World
+from stratagem.validators import is_int, require
 
 __all__ = ["check_combinator_arithmetic"]
 
 LAW = "combinator-arithmetic"
+_DEFAULTS = LawSettings(optimizer=sgd)
 
 
 def _rank(
@@ -128,12 +130,8 @@ def check_combinator_arithmetic(
     module: torch.nn.Module,
     batch: Any,
     *,
-    world: World | None = None,
-    world_size: int = 2,
     updates: int = 2,
-    optimizer: OptimizerFactory = sgd,
-    contract: Contract | None = None,
-    forward: Forward = squares_mean,
+    **options: Unpack[TrainingOptions],
 ) -> None:
     """Law ``combinator-arithmetic``: the stack trains as plain torch does its combinators by hand.
 
@@ -144,31 +142,32 @@ def check_combinator_arithmetic(
         strategy: the stack under test (accumulate, clipping, precision over any base).
         module: the module to train; every rank starts from it.
         batch: its length a multiple of the world size times accumulate's k.
-        world: the `World` to run on (else one of ``world_size`` is started).
-        world_size: ranks to start when ``world`` is omitted.
         updates: optimizer steps, each compared.
-        optimizer: a module-level function ``parameters -> optimizer`` (plain SGD by default).
-        contract: ``rtol`` / ``atol`` override the tolerances derived from the precision.
-        forward: a module-level function ``(module, batch) -> loss``, a mean over samples.
+        **options: `TrainingOptions`: ``world`` (None: a `World` of
+            ``world_size=2`` ranks is started), ``optimizer=sgd`` (plain SGD),
+            ``forward=squares_mean`` (a mean over samples), ``contract``
+            (its ``rtol`` / ``atol`` override the tolerances derived from the precision).
 
     Raises:
         LawViolation: a rank's parameters differ from the oracle's.
         UsageError: the inputs cannot test the law (a pipeline, a batch the ranks cannot share).
+        TypeError: a keyword the law does not take.
     """
-    terms = _contract(contract, None)
-    size = world.world_size if world is not None else world_size
+    law = "check_combinator_arithmetic"
+    given = settings(law, options, TrainingOptions, own=["updates"], defaults=_DEFAULTS)
+    require(is_int(updates, 1), f"{law}: 'updates'", "a positive int", updates)
+    terms, size, optimizer, forward = given.terms(), given.ranks, given.optimizer, given.forward
     _check_inputs(module, batch, size, forward)
-    count = _steps(updates)
-    runs = run_on(world, size, _rank, strategy, module, batch, count, optimizer, forward)
+    runs = run_on(given.world, size, _rank, strategy, module, batch, updates, optimizer, forward)
     micro, parts = runs[0]["micro"], runs[0]["parts"]
     clip = applied(strategy, ClipUpdate)
     inputs = (
-        f"module={summarize(module)}, batch={summarize(batch)}, updates={count}, "
+        f"module={summarize(module)}, batch={summarize(batch)}, updates={updates}, "
         f"micro-batches={micro}, optimizer={getattr(optimizer, '__name__', optimizer)}, "
         f"clipping={None if clip is None else (clip.max_norm, clip.max_value, clip.norm_type)}"
     )
     skips = _agreed_skips(LAW, strategy, inputs, [run["skipped"] for run in runs])
-    expected = _oracle(module, batch, parts, micro, count, clip, optimizer, forward, skips)
+    expected = _oracle(module, batch, parts, micro, updates, clip, optimizer, forward, skips)
     low = compute_dtype(strategy) != torch.float32
     derived = law_tolerances(strategy, "precision-close-to-float32") if low else FLOAT32
     rtol, atol = terms.tolerances(derived)

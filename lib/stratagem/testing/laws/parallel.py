@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Unpack
 
 import attrs
 import torch
@@ -44,10 +44,19 @@ from stratagem.testing.laws._core import (
     squares_mean,
     summarize,
 )
+from stratagem.testing.laws.options import (
+    Forward,
+    LawSettings,
+    OptimizerFactory,
+    ReferenceOptions,
+    adamw,
+    settings,
+    sgd,
+    sgd_momentum,
+)
 from stratagem.testing.laws.state import first_difference, hint, snapshot
 from stratagem.testing.reference import buffers_rule, undistributed
 from stratagem.testing.tolerances import law_outliers, law_tolerances
-from stratagem.testing.world import World
 from stratagem.trees import map_tensors, tensors_in
 from stratagem.validators import is_int, require
 
@@ -59,24 +68,7 @@ __all__ = [
     "sgd_momentum",
 ]
 
-Forward = Callable[[torch.nn.Module, Any], torch.Tensor]
-OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 Snapshots = list[dict[str, torch.Tensor]]
-
-
-def sgd(parameters: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """Plain SGD, ``lr=0.1``: the laws' simplest optimizer."""
-    return torch.optim.SGD(parameters, lr=0.1)
-
-
-def sgd_momentum(parameters: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """SGD with momentum 0.9, ``lr=0.1``: optimizer state that a strategy must keep right."""
-    return torch.optim.SGD(parameters, lr=0.1, momentum=0.9)
-
-
-def adamw(parameters: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """AdamW, ``lr=0.01``: two moments per parameter and a step count."""
-    return torch.optim.AdamW(parameters, lr=0.01)
 
 
 # --- batches -------------------------------------------------------------------------------
@@ -499,10 +491,12 @@ def _judge(
     # its stages only; together, the ranks of one pipeline must hold every key.
     parts = parts if parts is not None else [(False, 0)] * world_size
     for step in range(steps):
-        if sharded:
-            _check_coverage(law, strategy, inputs, results, expected, step)
-        if any(part for part, _ in parts):
-            _check_parts(law, strategy, inputs, results, expected, step, parts)
+        when = "after wrap" if step == 0 else f"after update {step}"
+        lost = _uncovered(results, expected, step) if sharded else None
+        if lost is None and any(part for part, _ in parts):
+            lost = _misheld(results, expected, step, parts)
+        if lost is not None:
+            raise LawViolation(law, strategy, inputs, f"{when}: {lost}")
         for rank in range(world_size):
             keys = None
             if sharded:  # this rank's slots, and the module's state whole
@@ -510,7 +504,7 @@ def _judge(
                     k for k in expected[rank][step]
                     if not k.startswith("optimizer.") or k in results[rank][step]
                 )  # fmt: skip
-            if parts[rank][0]:  # this stage's keys; _check_parts saw that none is lost
+            if parts[rank][0]:  # this stage's keys; _misheld saw that none is lost
                 keys = tuple(k for k in keys or expected[rank][step] if k in results[rank][step])
             difference = first_difference(
                 results[rank][step], expected[rank][step], rtol=rtol, atol=atol, keys=keys,
@@ -530,7 +524,6 @@ def _judge(
                 for r in range(world_size)
             )  # fmt: skip
             cause = hint(difference, expected[0][0], agree, world_size)
-            when = "after wrap" if step == 0 else f"after update {step}"
             error = LawViolation(
                 law,
                 strategy,
@@ -542,38 +535,22 @@ def _judge(
             raise error
 
 
-def _check_coverage(
-    law: str,
-    strategy: StrategyLike,
-    inputs: str,
-    results: list[Snapshots],
-    expected: list[Snapshots],
-    step: int,
-) -> None:
-    """Under sharded optimizer state: together, the ranks hold every slot the reference has."""
+def _uncovered(results: list[Snapshots], expected: list[Snapshots], step: int) -> str | None:
+    """Under sharded optimizer state: the reference's slots that no rank holds, described."""
     held = {k for states in results for k in states[step] if k.startswith("optimizer.")}
     lost = [k for k in expected[0][step] if k.startswith("optimizer.") and k not in held]
-    if lost:
-        when = "after wrap" if step == 0 else f"after update {step}"
-        raise LawViolation(
-            law,
-            strategy,
-            inputs,
-            f"{when}: no rank holds the optimizer state {lost[:3]} (sharded optimizer state "
-            "must cover every parameter: a parameter with no owner gives this)",
-        )
+    if not lost:
+        return None
+    return (
+        f"no rank holds the optimizer state {lost[:3]} (sharded optimizer state must cover "
+        "every parameter: a parameter with no owner gives this)"
+    )
 
 
-def _check_parts(
-    law: str,
-    strategy: StrategyLike,
-    inputs: str,
-    results: list[Snapshots],
-    expected: list[Snapshots],
-    step: int,
-    parts: list[tuple[bool, int]],
-) -> None:
-    """Under a pipeline: the ranks of each pipeline hold every key of the reference, once."""
+def _misheld(
+    results: list[Snapshots], expected: list[Snapshots], step: int, parts: list[tuple[bool, int]]
+) -> str | None:
+    """Under a pipeline: a pipeline whose ranks do not hold every key of the reference once."""
     for group in sorted({index for _, index in parts}):
         ranks = [rank for rank, (_, index) in enumerate(parts) if index == group]
         held = [k for rank in ranks for k in results[rank][step]]
@@ -581,20 +558,17 @@ def _check_parts(
         twice = sorted({k for k in held if held.count(k) > 1})
         extra = sorted({k for k in held if k not in expected[ranks[0]][step]})
         if lost or twice or extra:
-            when = "after wrap" if step == 0 else f"after update {step}"
             found = (
                 f"no rank holds {lost[:3]}" if lost
                 else f"{twice[:3]} are held by several stages" if twice
                 else f"{extra[:3]} are not in the reference"
             )  # fmt: skip
-            raise LawViolation(
-                law,
-                strategy,
-                inputs,
-                f"{when}: among ranks {ranks} (one pipeline), {found}: together a pipeline's "
-                "stages must hold each key of the module once (a stage list that drops or "
-                "repeats a module gives this)",
+            return (
+                f"among ranks {ranks} (one pipeline), {found}: together a pipeline's stages "
+                "must hold each key of the module once (a stage list that drops or repeats a "
+                "module gives this)"
             )
+    return None
 
 
 def _check(
@@ -602,21 +576,17 @@ def _check(
     strategy: StrategyLike,
     module: torch.nn.Module,
     batch: Any,
+    given: LawSettings,
     *,
     plan: _Plan,
-    world: World | None,
-    world_size: int,
-    reference: StrategyLike | None,
     contract: Contract,
-    optimizer: OptimizerFactory,
-    forward: Forward,
     hint_for_law: str,
     adjust_reference: Callable[[StrategyLike], StrategyLike] | None = None,
     needs_an_update: bool = False,
 ) -> None:
-    size = world.world_size if world is not None else world_size
+    size, optimizer, forward = given.ranks, given.optimizer, given.forward
     _check_inputs(module, batch, size, forward)
-    runs = run_on(world, size, _rank_run, strategy, module, batch, plan, optimizer, forward)
+    runs = run_on(given.world, size, _rank_run, strategy, module, batch, plan, optimizer, forward)
     micro, every = runs[0][0], runs[0][1]
     inputs = (
         f"module={summarize(module)}, batch={summarize(batch)}, steps={plan.steps}, "
@@ -640,7 +610,7 @@ def _check(
             f"{micro} equal micro-batches; give a batch whose length is a multiple of "
             f"{parts * micro}."
         )
-    derived = _reference_for(strategy, reference, every)
+    derived = _reference_for(strategy, given.reference, every)
     if adjust_reference is not None:
         derived = adjust_reference(derived)
     if contract.per_rank_optimizer:
@@ -667,14 +637,8 @@ def check_data_parallel_step(
     module: torch.nn.Module,
     batch: Any,
     *,
-    world: World | None = None,
-    world_size: int = 2,
-    steps: int = 3,
-    optimizer: OptimizerFactory = sgd_momentum,
-    reference: StrategyLike | None = None,
-    contract: Contract | None = None,
-    forward: Forward = squares_mean,
     tolerance: float | None = None,
+    **options: Unpack[ReferenceOptions],
 ) -> None:
     """Law ``data-parallel-step``: N ranks train as the same stack on one process does.
 
@@ -686,35 +650,36 @@ def check_data_parallel_step(
             perturbed copies (``contract.synced_init`` starts all from it).
         batch: a tensor, an ``(inputs, targets)`` tuple or a dict of tensors;
             its length a multiple of the world size (times the micro-batches).
-        world: the `World` to run on (else one of ``world_size`` is started).
-        world_size: ranks to start when ``world`` is omitted.
-        steps: optimizer steps, each compared (at least ``contract.sync_every + 1``).
-        optimizer: a module-level function ``parameters -> optimizer``.
-        reference: a strategy that trains the same way in one process; derived
-            from ``strategy`` when it is built from stratagem's parts.
-        contract: what ``strategy`` promises (`Contract`); default ``Contract()``.
-        forward: a module-level function ``(module, batch) -> loss``, a mean over samples.
         tolerance: an absolute tolerance, for callers of the first edition
             (the same as ``contract=Contract(atol=tolerance)``; for exact
             comparison, ``Contract(exact=True)``).
+        **options: `ReferenceOptions` (`stratagem.testing.laws.options`):
+            ``world`` (None: a `World` of ``world_size=2`` ranks is started),
+            ``steps=3`` (at least ``contract.sync_every + 1``),
+            ``optimizer=sgd_momentum``, ``forward=squares_mean``,
+            ``contract`` (``Contract()``), ``reference`` (derived from
+            ``strategy`` when it is built from stratagem's parts).
 
     Raises:
         LawViolation: a rank's state differs from the reference's, naming the
             first step, the rank, the key, the differences and a likely cause.
         UsageError: the inputs cannot test the law (a batch the ranks cannot
             share, a module without parameters).
+        TypeError: a keyword the law does not take.
     """
-    terms = _contract(contract, tolerance)
+    given = settings("check_data_parallel_step", options, ReferenceOptions, own=["tolerance"])
+    terms = given.terms(tolerance)
     # At least one synchronisation of a strategy that synchronises every k updates.
-    count = max(_steps(steps), terms.sync_every + 1)
+    count = max(given.steps, terms.sync_every + 1)
     _check(
-        "data-parallel-step", strategy, module, batch,
-        plan=_Plan(count, None, manual=False, synced_init=terms.synced_init),
-        world=world, world_size=world_size, reference=reference, contract=terms,
-        optimizer=optimizer, forward=forward,
+        "data-parallel-step", strategy, module, batch, given,
+        plan=_Plan(count, None, manual=False, synced_init=terms.synced_init), contract=terms,
         hint_for_law="A wrap or update that skips synchronisation, or a reduce that sums "
         "where it should average, breaks this law.",
     )  # fmt: skip
+
+
+_ACCUMULATION = LawSettings(steps=2)
 
 
 def check_accumulation(
@@ -723,45 +688,35 @@ def check_accumulation(
     batch: Any,
     *,
     micro_batches: int = 2,
-    world: World | None = None,
-    world_size: int = 2,
-    steps: int = 2,
-    optimizer: OptimizerFactory = sgd_momentum,
-    reference: StrategyLike | None = None,
-    contract: Contract | None = None,
-    forward: Forward = squares_mean,
     tolerance: float | None = None,
+    **options: Unpack[ReferenceOptions],
 ) -> None:
     """Law ``accumulation``: k micro-batches by hand under ``no_sync``, then one update.
 
     Each rank splits its share into ``micro_batches`` pieces, backpropagates
     ``loss / k`` for each (inside the strategy's ``no_sync`` but the last) and
     updates once per step; the reference does the same on whole micro-batches.
+    ``tolerance`` is `check_data_parallel_step`'s, and so are ``**options``
+    (`ReferenceOptions`) but for ``steps``: ``world``, ``world_size=2``,
+    ``steps=2``, ``optimizer=sgd_momentum``, ``forward=squares_mean``,
+    ``contract``, ``reference``.
 
     Raises:
         LawViolation: a rank's state differs from the reference's.
         UsageError: as `check_data_parallel_step`.
+        TypeError: a keyword the law does not take.
     """
+    own = ["micro_batches", "tolerance"]
+    given = settings(
+        "check_accumulation", options, ReferenceOptions, own=own, defaults=_ACCUMULATION
+    )
     label = "check_accumulation: 'micro_batches'"
     require(is_int(micro_batches, 1), label, "a positive int", micro_batches)
-    terms = _contract(contract, tolerance)
+    terms = given.terms(tolerance)
     _check(
-        "accumulation", strategy, module, batch,
-        plan=_Plan(_steps(steps), micro_batches, manual=True, synced_init=terms.synced_init),
-        world=world, world_size=world_size, reference=reference, contract=terms,
-        optimizer=optimizer, forward=forward,
+        "accumulation", strategy, module, batch, given,
+        plan=_Plan(given.steps, micro_batches, manual=True, synced_init=terms.synced_init),
+        contract=terms,
         hint_for_law="A no_sync that drops the accumulated gradients, or a last micro-batch "
         "that does not synchronise, breaks this law.",
     )  # fmt: skip
-
-
-def _contract(contract: Contract | None, tolerance: float | None) -> Contract:
-    if contract is not None and not isinstance(contract, Contract):
-        raise UsageError(f"laws: 'contract' must be a Contract (got {describe(contract)}).")
-    terms = contract if contract is not None else Contract()
-    return terms if tolerance is None else attrs.evolve(terms, atol=tolerance)
-
-
-def _steps(steps: int) -> int:
-    require(is_int(steps, 1), "laws: 'steps'", "a positive int", steps)
-    return steps

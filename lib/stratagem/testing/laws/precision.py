@@ -12,7 +12,7 @@ or too small is far outside it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
@@ -20,42 +20,22 @@ from stratagem.checkpoint.entries import unwrap
 from stratagem.errors import UsageError
 from stratagem.optimizer_hooks import root_optimizer
 from stratagem.strategy import StrategyLike
-from stratagem.testing.contract import Contract
-from stratagem.testing.laws._core import (
-    LawViolation,
-    fresh_copy,
-    own_share,
-    run_on,
-    squares_mean,
-    summarize,
-)
-from stratagem.testing.laws.parallel import (
+from stratagem.testing.laws._core import LawViolation, fresh_copy, own_share, run_on, summarize
+from stratagem.testing.laws.options import (
     Forward,
-    OptimizerFactory,
-    _check,
-    _contract,
-    _Plan,
-    _steps,
+    LossOptions,
+    ReferenceOptions,
+    settings,
     sgd_momentum,
 )
+from stratagem.testing.laws.parallel import _check, _Plan
 from stratagem.testing.tolerances import compute_dtype, without_precision
-from stratagem.testing.world import World
 
 __all__ = ["check_master_weights", "check_precision"]
 
 
 def check_precision(
-    strategy: StrategyLike,
-    module: torch.nn.Module,
-    batch: Any,
-    *,
-    world: World | None = None,
-    world_size: int = 2,
-    steps: int = 3,
-    optimizer: OptimizerFactory = sgd_momentum,
-    reference: StrategyLike | None = None,
-    contract: Contract | None = None,
-    forward: Forward = squares_mean,
+    strategy: StrategyLike, module: torch.nn.Module, batch: Any, **options: Unpack[ReferenceOptions]
 ) -> None:
     """Law ``precision-close-to-float32``: N ranks in a precision train as one float32 process.
 
@@ -69,25 +49,30 @@ def check_precision(
     Updates that loss scaling skips on every rank are skipped by the
     reference too, but at least one of the ``steps`` must be taken.
 
+    ``**options`` are `check_data_parallel_step`'s (`ReferenceOptions`):
+    ``world``, ``world_size=2``, ``steps=3``, ``optimizer=sgd_momentum``,
+    ``forward=squares_mean``, ``contract``, ``reference``.
+
     Raises:
         LawViolation: a rank's state is further from float32 training than
             the precision's rounding explains (a missing unscale or scale, ...),
             or loss scaling skipped every update.
         UsageError: ``strategy`` applies no precision, or as `check_data_parallel_step`.
+        TypeError: a keyword the law does not take.
     """
+    given = settings("check_precision", options, ReferenceOptions)
     if compute_dtype(strategy) == torch.float32:
         raise UsageError(
             f"check_precision: strategy {getattr(strategy, 'name', strategy)!r} computes in "
             "float32 already; apply with_precision(strategy, ...) first, or use "
             "check_data_parallel_step."
         )
-    terms = _contract(contract, None)
+    terms = given.terms()
     _check(
-        "precision-close-to-float32", strategy, module, batch,
-        plan=_Plan(max(_steps(steps), terms.sync_every + 1), None, manual=False,
+        "precision-close-to-float32", strategy, module, batch, given,
+        plan=_Plan(max(given.steps, terms.sync_every + 1), None, manual=False,
                    synced_init=terms.synced_init),
-        world=world, world_size=world_size, reference=reference, contract=terms,
-        optimizer=optimizer, forward=forward,
+        contract=terms,
         hint_for_law="An update that never unscales the gradients (\"16-mixed\"), a backward "
         "that never scales them, or a wrap that casts the wrong way breaks this law.",
         adjust_reference=without_precision,
@@ -112,13 +97,7 @@ def _master_dtypes(
 
 
 def check_master_weights(
-    strategy: StrategyLike,
-    module: torch.nn.Module,
-    batch: Any,
-    *,
-    world: World | None = None,
-    world_size: int = 2,
-    forward: Forward = squares_mean,
+    strategy: StrategyLike, module: torch.nn.Module, batch: Any, **options: Unpack[LossOptions]
 ) -> None:
     """Law ``float32-master-weights``: under a mixed precision the optimizer steps float32.
 
@@ -127,16 +106,18 @@ def check_master_weights(
     keeps the parameters the optimizer updates, and its state, in float32.
     A module given in bfloat16 (a checkpoint loaded as it was published) must
     be upcast by ``wrap``; one that stays in bfloat16 loses every update
-    smaller than half its last place.
+    smaller than half its last place. ``**options`` (`LossOptions`): ``world``,
+    ``world_size=2``, ``forward=squares_mean``.
 
     Raises:
         LawViolation: after wrap and one update, a parameter or an optimizer
             slot is not float32 (a wrap whose upcast does nothing gives this).
+        TypeError: a keyword the law does not take.
     """
-    size = world.world_size if world is not None else world_size
+    given = settings("check_master_weights", options, LossOptions)
     inputs = f"module={summarize(module)}, batch={summarize(batch)}"
     for rank, low in enumerate(
-        run_on(world, size, _master_dtypes, strategy, module, batch, forward)
+        run_on(given.world, given.ranks, _master_dtypes, strategy, module, batch, given.forward)
     ):
         if low:
             shown = ", ".join(f"{k} is {v}" for k, v in list(low.items())[:3])

@@ -7,24 +7,16 @@ compare with tolerances (`first_difference`), report (`LawViolation`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
 from stratagem.strategy import StrategyLike
-from stratagem.testing.contract import Contract
-from stratagem.testing.laws._core import (
-    LawViolation,
-    holds_part,
-    own_share,
-    run_on,
-    squares_mean,
-    summarize,
-)
-from stratagem.testing.laws.parallel import Forward, OptimizerFactory, perturbed, sgd_momentum
+from stratagem.testing.laws._core import LawViolation, holds_part, own_share, run_on, summarize
+from stratagem.testing.laws.options import Forward, OptimizerFactory, TrainingOptions, settings
+from stratagem.testing.laws.parallel import perturbed
 from stratagem.testing.laws.state import first_difference, snapshot
 from stratagem.testing.tolerances import law_tolerances
-from stratagem.testing.world import World
 
 __all__ = ["check_ranks_in_sync"]
 
@@ -37,7 +29,7 @@ def _states(
     updates: int,
     make_optimizer: OptimizerFactory,
     synced_init: bool,
-    forward: Forward = squares_mean,
+    forward: Forward,
 ) -> tuple[list[dict[str, torch.Tensor]], bool]:
     model = strategy.wrap(perturbed(module, 0 if synced_init else ctx.rank), ctx)
     optimizer = make_optimizer(model.parameters())
@@ -55,12 +47,7 @@ def check_ranks_in_sync(
     strategy: StrategyLike,
     module: torch.nn.Module,
     batch: torch.Tensor,
-    *,
-    world: World | None = None,
-    world_size: int = 2,
-    contract: Contract | None = None,
-    optimizer: OptimizerFactory = sgd_momentum,
-    forward: Forward = squares_mean,
+    **options: Unpack[TrainingOptions],
 ) -> None:
     """Law ``ranks-in-sync``: after every k-th update (``contract.sync_every``) ranks agree.
 
@@ -70,16 +57,19 @@ def check_ranks_in_sync(
     optimizer state). Buffers are left to ``data-parallel-step``: even
     broadcast ones differ between two forwards. A pipeline's stages compare
     the keys they share (the same stage of another data-parallel replica).
+    ``**options`` (`TrainingOptions`): ``world``, ``world_size=2``,
+    ``optimizer=sgd_momentum``, ``forward=squares_mean``, ``contract``.
 
     Raises:
         LawViolation: a rank's state differs from rank 0's at a synchronisation point.
+        TypeError: a keyword the law does not take.
     """
-    terms = contract if contract is not None else Contract()
-    size = world.world_size if world is not None else world_size
+    given = settings("check_ranks_in_sync", options, TrainingOptions)
+    terms, size = given.terms(), given.ranks
     updates = 2 * terms.sync_every
     runs = run_on(
-        world, size, _states, strategy, module, batch, updates, optimizer, terms.synced_init,
-        forward,
+        given.world, size, _states, strategy, module, batch, updates, given.optimizer,
+        terms.synced_init, given.forward,
     )  # fmt: skip
     results = [states for states, _ in runs]
     partial = any(part for _, part in runs)

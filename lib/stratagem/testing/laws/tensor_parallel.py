@@ -24,8 +24,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, TypedDict, Unpack
 
 import attrs
 import torch
@@ -39,19 +39,51 @@ from stratagem.planning.simulated_world import simulated_world
 from stratagem.strategies.fsdp import fsdp
 from stratagem.testing.contract import Contract
 from stratagem.testing.laws._core import LawViolation, squares_mean
-from stratagem.testing.laws.parallel import perturbed, sgd
+from stratagem.testing.laws.options import Forward, OptimizerFactory, refuse_unknown, sgd
+from stratagem.testing.laws.parallel import perturbed
 from stratagem.testing.laws.state import first_difference
 from stratagem.testing.tolerances import law_tolerances
 from stratagem.testing.world import World
 from stratagem.validators import is_int, require
 
-__all__ = ["check_tensor_parallel", "tensor_parallel_run"]
+__all__ = ["SplitOptions", "check_tensor_parallel", "tensor_parallel_run"]
 
 LAW = "tensor-parallel"
-Forward = Callable[[torch.nn.Module, Any], torch.Tensor]
-OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 Trajectory = list[tuple[float, dict[str, torch.Tensor]]]
 """Per rank: after the wrap, then per step, the loss (nan for the wrap) and whole parameters."""
+
+
+SplitOptions = TypedDict(  # noqa: UP013  # a type for keywords, not a class to derive from
+    "SplitOptions",
+    {
+        "size": int,
+        "forward": Forward,
+        "optimizer": OptimizerFactory,
+        "steps": int,
+        "world": World | None,
+    },
+    total=False,
+)
+"""How `check_tensor_parallel` and `tensor_parallel_run` train the split, defaults in brackets.
+
+``size`` simulated ranks (8), or a real ``world``'s (None); ``steps`` (3) of
+``optimizer`` (`sgd`) on ``forward``'s loss (`squares_mean`).
+"""
+
+
+@attrs.frozen
+class _Split:
+    """`SplitOptions` with the defaults filled in (checked by `_prepared`)."""
+
+    size: int = 8  # simulated ranks
+    forward: Forward = squares_mean
+    optimizer: OptimizerFactory = sgd
+    steps: int = 3
+    world: World | None = None  # a real world instead of simulated ranks
+
+    def args(self, module: torch.nn.Module, batch: Any) -> tuple[Any, ...]:
+        """`_train`'s arguments after the strategy and the context."""
+        return (module, batch, self.forward, self.optimizer, self.steps)
 
 
 def _as_is(module: torch.nn.Module, ctx: Context) -> torch.nn.Module:
@@ -208,46 +240,38 @@ def _check_divides(size: int, strategy: StrategyLike) -> None:
 
 
 def tensor_parallel_run(
-    subject: object,
-    *,
-    module: torch.nn.Module,
-    batch: Any,
-    size: int = 8,
-    forward: Forward = squares_mean,
-    optimizer: OptimizerFactory = sgd,
-    steps: int = 3,
-    world: World | None = None,
+    subject: object, *, module: torch.nn.Module, batch: Any, **options: Unpack[SplitOptions]
 ) -> list[Trajectory]:
     """Train ``module`` split as ``subject`` says; return each rank's losses and whole parameters.
 
     This is what `check_tensor_parallel` compares with one process: on
     ``size`` simulated ranks, or on ``world``'s real ranks when given (its
-    size is then the world's).
+    size is then the world's). The arguments are `check_tensor_parallel`'s
+    but ``contract``.
 
     Returns:
         For each rank, for the wrap and then each step: the loss (``nan`` for the
         wrap) and every parameter gathered whole, by name, on the CPU.
     """
-    strategy, ranks, args = _prepared(
-        subject, module, batch, size, forward, optimizer, steps, world
-    )
-    return _run(strategy, ranks, args, world)
+    strategy, ranks, split = _prepared("tensor_parallel_run", subject, module, batch, options)
+    return _run(strategy, ranks, split, module, batch)
 
 
 def _prepared(
+    law: str,
     subject: object,
     module: torch.nn.Module,
     batch: Any,
-    size: int,
-    forward: Forward,
-    optimizer: OptimizerFactory,
-    steps: int,
-    world: World | None,
-) -> tuple[StrategyLike, int, tuple[Any, ...]]:
-    """Check the arguments; return the strategy to run, its rank count and `_train`'s arguments."""
+    options: SplitOptions,
+    own: Sequence[str] = (),
+) -> tuple[StrategyLike, int, _Split]:
+    """Check the arguments; return the strategy to run, its rank count and the settings."""
+    refuse_unknown(law, options, SplitOptions, own=["module", "batch", *own])
+    split = attrs.evolve(_Split(), **options)
+    world, forward, optimizer, steps = split.world, split.forward, split.optimizer, split.steps
     require(world is None or isinstance(world, World), "check_tensor_parallel: 'world'",
             "a World", world)  # fmt: skip
-    ranks = size if world is None else world.world_size
+    ranks = split.size if world is None else world.world_size
     require(is_int(ranks, 2), "check_tensor_parallel: 'size'", "an int of at least 2", ranks)
     strategy = _split_strategy(subject, ranks)
     require(
@@ -266,22 +290,20 @@ def _prepared(
             "(module, batch) -> loss."
         )
     _check_divides(ranks, strategy)
-    return strategy, ranks, (module, batch, forward, optimizer, steps)
+    return strategy, ranks, split
 
 
 def _run(
-    strategy: StrategyLike, ranks: int, args: tuple[Any, ...], world: World | None
+    strategy: StrategyLike, ranks: int, split: _Split, module: torch.nn.Module, batch: Any
 ) -> list[Trajectory]:
-    if world is None:
-        return _simulated(strategy, ranks, args)
-    return world.run(_real_rank, strategy, *args)
+    if split.world is None:
+        return _simulated(strategy, ranks, split.args(module, batch))
+    return split.world.run(_real_rank, strategy, *split.args(module, batch))
 
 
-def _reference(
-    module: torch.nn.Module, batch: Any, forward: Forward, optimizer: OptimizerFactory, steps: int
-) -> Trajectory:
+def _reference(module: torch.nn.Module, batch: Any, split: _Split) -> Trajectory:
     """One process training the whole module, from rank 0's start."""
-    record = _trained(perturbed(module, 0), batch, forward, optimizer, steps)
+    record = _trained(perturbed(module, 0), batch, split.forward, split.optimizer, split.steps)
     return [(float(loss), state) for loss, state in record]
 
 
@@ -307,12 +329,8 @@ def check_tensor_parallel(
     *,
     module: torch.nn.Module,
     batch: Any,
-    size: int = 8,
-    forward: Forward = squares_mean,
-    optimizer: OptimizerFactory = sgd,
-    steps: int = 3,
     contract: Contract | None = None,
-    world: World | None = None,
+    **options: Unpack[SplitOptions],
 ) -> None:
     """Check that a tensor-parallel split of ``module`` trains as the whole module does.
 
@@ -322,17 +340,19 @@ def check_tensor_parallel(
             ``tensor_parallel`` takes it (split over all ``size`` ranks).
         module: the model; the plan names its submodules. Not changed.
         batch: what ``forward`` takes; every rank trains on all of it.
-        size: simulated ranks (a multiple of the strategy's tensor-parallel size).
-        forward: ``(module, batch) -> loss``; a module-level function to run on ``world``.
-        optimizer: builds the optimizer from the split parameters.
-        steps: optimizer steps after the wrap.
         contract: tolerances (``rtol``, ``atol``); float32's by default.
-        world: run on this real world's ranks instead of simulated ones.
+        **options: `SplitOptions`: ``size=8``, simulated ranks (a multiple of
+            the strategy's tensor-parallel size); ``forward=squares_mean``,
+            ``(module, batch) -> loss`` (a module-level function to run on
+            ``world``); ``optimizer=sgd``, built from the split parameters;
+            ``steps=3``, optimizer steps after the wrap; ``world``, a real
+            world to run on instead of simulated ranks (None).
 
     Raises:
         LawViolation: some rank's loss or whole parameter departs from one
             process training the unsplit module.
         UsageError: malformed arguments.
+        TypeError: a keyword the law does not take.
 
     Example:
         >>> import torch
@@ -349,13 +369,12 @@ def check_tensor_parallel(
         "a Contract",
         contract,
     )
-    strategy, ranks, args = _prepared(
-        subject, module, batch, size, forward, optimizer, steps, world
-    )
-    runs = _run(strategy, ranks, args, world)
+    law = "check_tensor_parallel"
+    strategy, ranks, split = _prepared(law, subject, module, batch, options, own=["contract"])
+    runs = _run(strategy, ranks, split, module, batch)
     rtol, atol = (contract or Contract()).tolerances(law_tolerances(strategy, "data-parallel-step"))
-    expected = _reference(module, batch, forward, optimizer, steps)
-    inputs = f"{type(module).__name__} split over {ranks} ranks, {steps} step(s)"
+    expected = _reference(module, batch, split)
+    inputs = f"{type(module).__name__} split over {ranks} ranks, {split.steps} step(s)"
     for step, (loss, state) in enumerate(expected):
         for rank, run in enumerate(runs):
             their_loss, theirs = run[step]

@@ -7,8 +7,7 @@ The laws that compare training with a reference (``data-parallel-step``,
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Unpack
 
 import attrs
 import torch
@@ -27,13 +26,12 @@ from stratagem.testing.laws._core import (
     own_share,
     run_on,
     share,
-    squares_mean,
     summarize,
     within,
 )
+from stratagem.testing.laws.options import Forward, LossOptions, RunOptions, settings
 from stratagem.testing.laws.parallel import train_step
 from stratagem.testing.tolerances import law_tolerances
-from stratagem.testing.world import World
 from stratagem.trees import tensors_in
 
 __all__ = [
@@ -42,8 +40,6 @@ __all__ = [
     "check_step_autocast",
     "check_wrap",
 ]
-
-Forward = Callable[[torch.nn.Module, Any], torch.Tensor]
 
 
 def _train_rank(
@@ -106,24 +102,21 @@ def _first_keyed_mismatch(
 
 
 def check_no_sync(
-    strategy: StrategyLike,
-    module: torch.nn.Module,
-    batch: Any,
-    *,
-    world: World | None = None,
-    world_size: int = 2,
-    forward: Forward = squares_mean,
+    strategy: StrategyLike, module: torch.nn.Module, batch: Any, **options: Unpack[LossOptions]
 ) -> None:
     """Law ``no-sync``: inside ``no_sync`` gradients stay local; after the next update ranks agree.
 
     The ranks' shares of ``batch`` must differ, so that local gradients differ.
+    ``**options`` (`LossOptions`): ``world``, ``world_size=2``, ``forward=squares_mean``.
 
     Raises:
         LawViolation: gradients were already equal across ranks inside ``no_sync``
             (it synchronised), or parameters differ across ranks after the update.
+        TypeError: a keyword the law does not take.
     """
-    size = world.world_size if world is not None else world_size
-    results = run_on(world, size, _no_sync_rank, strategy, module, batch, forward)
+    given = settings("check_no_sync", options, LossOptions)
+    size = given.ranks
+    results = run_on(given.world, size, _no_sync_rank, strategy, module, batch, given.forward)
     inputs = f"module={summarize(module)}, batch={summarize(batch)}"
     inside = [grads for grads, _ in results]
     # Gradients may be invisible inside no_sync (FSDP keeps them unsharded until the next
@@ -159,26 +152,25 @@ def _purity_rank(
 
 
 def check_purity(
-    strategy: StrategyLike,
-    module: torch.nn.Module,
-    batch: Any,
-    *,
-    world: World | None = None,
-    world_size: int = 2,
-    forward: Forward = squares_mean,
+    strategy: StrategyLike, module: torch.nn.Module, batch: Any, **options: Unpack[LossOptions]
 ) -> None:
     """Law ``purity``: use does not change a strategy; the same inputs give the same outputs.
+
+    Each rank trains one update, twice from the same start, pickling the record
+    before and after. ``**options`` (`LossOptions`): ``world``,
+    ``world_size=2``, ``forward=squares_mean``.
 
     Raises:
         LawViolation: the record pickles differently after use (a field holds state
             that training changed), or two identical runs ended with different parameters.
+        TypeError: a keyword the law does not take.
     """
-    size = world.world_size if world is not None else world_size
+    given = settings("check_purity", options, LossOptions)
     inputs = f"module={summarize(module)}, batch={summarize(batch)}"
     # Two runs, each with its own per-run state (a World makes ctx.extras afresh for every
     # run; without a World, each run is a world of its own).
-    first_run = run_on(world, size, _purity_rank, strategy, module, batch, forward)
-    second_run = run_on(world, size, _purity_rank, strategy, module, batch, forward)
+    args = (given.world, given.ranks, _purity_rank, strategy, module, batch, given.forward)
+    first_run, second_run = run_on(*args), run_on(*args)
     results = [(*a, b[2]) for a, b in zip(first_run, second_run, strict=True)]
     for rank, (before, after, first, second) in enumerate(results):
         if before != after:
@@ -225,11 +217,10 @@ def check_wrap(
     module: torch.nn.Module,
     batch: Any,
     *,
-    world: World | None = None,
-    world_size: int = 2,
     tolerance: float | None = None,
     rtol: float | None = None,
     forward: Forward | None = None,
+    **options: Unpack[RunOptions],
 ) -> None:
     """Law ``wrap-preserves``: the wrapped module computes what the plain one does, same keys.
 
@@ -243,17 +234,20 @@ def check_wrap(
     Omitted, both are derived from the precision the strategy computes in
     (`stratagem.testing.tolerances`): ``1e-5`` and 0 in float32, two units of
     bfloat16's or float16's epsilon under a precision that rounds the outputs to it.
+    ``**options`` (`RunOptions`): ``world``, ``world_size=2``.
 
     Raises:
         LawViolation: outputs differ beyond the tolerance or state-dict keys changed.
+        TypeError: a keyword the law does not take.
     """
+    own = ["tolerance", "rtol", "forward"]
+    given = settings("check_wrap", options, RunOptions, own=own)
     derived_rtol, derived_atol = law_tolerances(strategy, "wrap-preserves")
     atol = derived_atol if tolerance is None else tolerance
     rtol = derived_rtol if rtol is None else rtol
-    size = world.world_size if world is not None else world_size
     inputs = f"module={summarize(module)}, batch={summarize(batch)}"
     expected_keys = list(module.state_dict().keys())
-    results = run_on(world, size, _wrap_rank, strategy, module, batch, forward)
+    results = run_on(given.world, given.ranks, _wrap_rank, strategy, module, batch, forward)
     _check_stage_keys(strategy, inputs, expected_keys, results)
     for rank, (keys, ours, theirs, part, _) in enumerate(results):
         if not part and keys != expected_keys:
@@ -345,23 +339,24 @@ def check_step_autocast(
     batch: Any,
     dtype: torch.dtype,
     *,
-    world: World | None = None,
-    world_size: int = 2,
     forward: Forward | None = None,
+    **options: Unpack[RunOptions],
 ) -> None:
     """Law ``step-autocast``: a mixed-precision strategy runs the user's forward under autocast.
 
     With ``forward`` (``(module, batch) -> loss``, for an ``(inputs, targets)``
     batch) the autocast state is read inside it; the loss's dtype is not checked.
+    ``**options`` (`RunOptions`): ``world``, ``world_size=2``.
 
     Raises:
         LawViolation: the forward ran without autocast, with another dtype, or
             produced outputs of another dtype.
+        TypeError: a keyword the law does not take.
     """
-    size = world.world_size if world is not None else world_size
+    given = settings("check_step_autocast", options, RunOptions, own=["forward"])
     inputs = f"module={summarize(module)}, batch={summarize(batch)}, dtype={dtype}"
     for rank, (enabled, seen, output) in enumerate(
-        run_on(world, size, _autocast_rank, strategy, module, batch, forward)
+        run_on(given.world, given.ranks, _autocast_rank, strategy, module, batch, forward)
     ):
         if not enabled or seen != str(dtype) or output != str(dtype):
             raise LawViolation(
