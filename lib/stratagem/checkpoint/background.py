@@ -158,10 +158,8 @@ def settle() -> None:
     """Wait for the save in flight; raise its error if nobody has seen it yet."""
     while _in_flight:
         save = _in_flight.pop(0)
-        if not save._reported:  # noqa: SLF001  # this module's own handle
+        if not save._reported:  # noqa: SLF001  # a reported save has ended: wait() saw it
             save.wait()
-        else:
-            save._finished.wait(DEFAULT_WAIT)  # noqa: SLF001
 
 
 # A script that ends right after save returns, with no teardown, would stop the writing

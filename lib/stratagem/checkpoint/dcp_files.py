@@ -1,10 +1,10 @@
 """The ``torch.distributed.checkpoint`` glue: write a state dict, read one back safely.
 
-Imported on first use (DCP takes a second to import). Reading goes through two
-small adapters that do not subclass DCP's classes (house rule): a storage
-reader that serves metadata already read by `directory.read_metadata`, and a load
-planner that reads DCP's non-tensor values with ``weights_only=True`` where
-DCP's own planner unpickles them without restriction.
+Imported on first use (DCP takes a second to import). Reading uses DCP's own
+storage reader and load planner, without subclassing them (house rule): the
+reader serves metadata already read by `directory.read_metadata`, and the
+planner reads DCP's non-tensor values with ``weights_only=True`` where it would
+unpickle them without restriction.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
-import attrs
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
@@ -30,25 +29,23 @@ from torch.distributed.checkpoint.metadata import (
     MetadataIndex,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-from torch.distributed.checkpoint.storage import StorageReader
-from torch.futures import Future
 
-from stratagem.checkpoint.directory import Found, checksum, refusal, unreadable
+from stratagem.checkpoint.directory import Found, checksum, refusal
 from stratagem.env import Context, host_group
 from stratagem.errors import CheckpointError
 from stratagem.validators import is_int
 
 __all__ = [
-    "check_storage",
-    "check_tensors",
     "checksums",
     "failure_of",
     "read",
     "read_values",
+    "storage_problem",
+    "tensor_problem",
     "write",
     "write_async",
 ]
@@ -70,14 +67,10 @@ def _calling_dcp(ctx: Context, what: str) -> Iterator[None]:
         raise _failure(error, what) from None
 
 
-def _first_cause(error: BaseException) -> BaseException:
-    if isinstance(error, CheckpointException) and error.failures:
-        return sorted(error.failures.items())[0][1][0]
-    return error
-
-
 def _failure(error: BaseException, what: str) -> CheckpointError:
-    cause = _first_cause(error)
+    cause = error
+    if isinstance(error, CheckpointException) and error.failures:
+        cause = sorted(error.failures.items())[0][1][0]  # the lowest failing rank's
     if isinstance(cause, CheckpointError):
         return cause  # already says what is wrong
     return CheckpointError(f"{what} failed ({type(cause).__name__}: {cause}).")
@@ -141,115 +134,46 @@ def failure_of(error: BaseException, directory: Path) -> CheckpointError:
     return _failure(error, _writing_what(directory))
 
 
-@attrs.frozen
-class _VettedReader:
-    """DCP storage reader: `FileSystemReader`, but serving metadata that was read safely."""
+def _vetted(read_item: ReadItem, value: io.BytesIO) -> io.BytesIO:
+    """Return the non-tensor value in ``value`` read ``weights_only``, encoded again.
 
-    inner: FileSystemReader
-    metadata: Metadata
-
-    @property
-    def checkpoint_id(self) -> str:
-        return str(self.inner.checkpoint_id)
-
-    def read_metadata(self) -> Metadata:  # no **kwargs: DCP then never looks for per-rank files
-        return self.metadata
-
-    def set_up_storage_reader(
-        self, metadata: Metadata, is_coordinator: bool, **kwargs: Any
-    ) -> None:
-        self.inner.set_up_storage_reader(metadata, is_coordinator, **kwargs)
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return self.inner.prepare_local_plan(plan)
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return self.inner.prepare_global_plan(plans)
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        return self.inner.read_data(plan, planner)
-
-
-@attrs.frozen
-class _OpenedFiles:
-    """DCP file system for reading: each file through the descriptor a `pinned` load holds."""
-
-    found: Found
-    inner: Any  # DCP's FileSystem, which opens what concat_path names
-
-    def concat_path(self, path: Any, suffix: str) -> Path:
-        return self.found.path_of(suffix)
-
-    def create_stream(self, path: Any, mode: str) -> Any:
-        return self.inner.create_stream(path, mode)
-
-
-@attrs.frozen
-class _SafePlanner:
-    """DCP load planner: `DefaultLoadPlanner`, but reading non-tensor values ``weights_only``."""
-
-    inner: DefaultLoadPlanner
-
-    def set_up_planner(
-        self,
-        state_dict: dict[str, Any],
-        metadata: Metadata | None = None,
-        is_coordinator: bool = False,
-    ) -> None:
-        self.inner.set_up_planner(state_dict, metadata, is_coordinator)
-
-    def create_local_plan(self) -> LoadPlan:
-        return self.inner.create_local_plan()
-
-    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
-        return self.inner.create_global_plan(global_plan)
-
-    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
-        return self.inner.finish_plan(central_plan)
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        fqn = read_item.dest_index.fqn
-        try:
-            vetted = torch.load(value, weights_only=True, map_location="cpu")
-        except Exception as error:  # whatever the safe load refuses
-            raise CheckpointError(
-                f"load: the value {fqn!r} in the checkpoint was refused ({refusal(error)})."
-            ) from None
-        # The inner planner knows where the value goes; it unpickles without restriction,
-        # so it gets a re-encoding of the vetted object, not the file's bytes.
-        clean = io.BytesIO()
-        torch.save(vetted, clean)
-        clean.seek(0)
-        self.inner.load_bytes(read_item, clean)
-
-    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        return cast(torch.Tensor, self.inner.resolve_tensor(read_item))
-
-    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        self.inner.commit_tensor(read_item, tensor)
-
-
-def check_storage(directory: Path, metadata: Metadata, sizes: dict[str, int]) -> None:
-    """Check that every item the metadata points at lies inside a file the manifest lists.
+    DCP's planner unpickles without restriction, so it gets a re-encoding of the
+    vetted object, never the file's bytes.
 
     Raises:
-        CheckpointError: an item points outside the checkpoint or past the end of a file.
+        CheckpointError: the value holds something ``weights_only`` loading refuses.
+    """
+    try:
+        vetted = torch.load(value, weights_only=True, map_location="cpu")
+    except Exception as error:  # whatever the safe load refuses
+        raise CheckpointError(
+            f"load: the value {read_item.dest_index.fqn!r} in the checkpoint was refused "
+            f"({refusal(error)})."
+        ) from None
+    clean = io.BytesIO()
+    torch.save(vetted, clean)
+    clean.seek(0)
+    return clean
+
+
+def storage_problem(metadata: Metadata, sizes: dict[str, int]) -> str | None:
+    """Say which item the metadata points at outside the files the manifest lists, if any.
+
+    An item may point outside the checkpoint or past the end of a file.
     """
     for index, info in metadata.storage_data.items():
         name = getattr(info, "relative_path", None)
         offset, length = getattr(info, "offset", -1), getattr(info, "length", -1)
         if not isinstance(index, MetadataIndex) or name not in sizes:
-            raise unreadable(
-                directory, f"its .metadata points at {name!r}, which is not one of its files"
-            )
+            return f"its .metadata points at {name!r}, which is not one of its files"
         if not (isinstance(offset, int) and isinstance(length, int)) or not (
             offset >= 0 and length >= 0 and offset + length <= sizes[name]
         ):
-            raise unreadable(
-                directory,
+            return (
                 f"{index.fqn!r} lies outside {name} "
-                f"(bytes {offset}..{offset + length} of {sizes[name]})",
+                f"(bytes {offset}..{offset + length} of {sizes[name]})"
             )
+    return None
 
 
 _MAX_DIMENSIONS = 64
@@ -286,16 +210,13 @@ def _overlapping(chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
     return False
 
 
-def check_tensors(directory: Path, metadata: Metadata, sizes: dict[str, int]) -> None:
-    """Check that every tensor the metadata declares is possible and covered exactly once.
+def tensor_problem(metadata: Metadata, sizes: dict[str, int]) -> str | None:
+    """Say which tensor the metadata declares is impossible, or not covered exactly once, if any.
 
     A crafted ``.metadata`` may declare a tensor larger than the checkpoint's
     files (an allocation of terabytes), a negative dimension, or pieces that
     leave part of a tensor unread (the live tensor would keep its old values
     there) or read it twice.
-
-    Raises:
-        CheckpointError: a tensor's shape, dtype or pieces are impossible.
     """
     stored = sum(sizes.values())
     for fqn, item in metadata.state_dict_metadata.items():
@@ -305,20 +226,18 @@ def check_tensors(directory: Path, metadata: Metadata, sizes: dict[str, int]) ->
         dtype = getattr(item.properties, "dtype", None)
         shape = _sizes_of(item.size, None)
         if not isinstance(dtype, torch.dtype):
-            raise unreadable(directory, f"its .metadata gives {key!r} no dtype")
+            return f"its .metadata gives {key!r} no dtype"
         if shape is None:
-            raise unreadable(
-                directory,
+            return (
                 f"its .metadata declares {key!r} of shape {item.size!r}, with a negative or "
-                f"non-integer dimension, or more than {_MAX_DIMENSIONS} (a crafted file)",
+                f"non-integer dimension, or more than {_MAX_DIMENSIONS} (a crafted file)"
             )
         elements = math.prod(shape)
         if elements * dtype.itemsize > stored:
-            raise unreadable(
-                directory,
+            return (
                 f"its .metadata declares {key!r} of shape {list(shape)} "
                 f"({elements * dtype.itemsize} bytes), more than the {stored} bytes of its "
-                "files (a crafted file)",
+                "files (a crafted file)"
             )
         chunks = []
         for chunk in item.chunks if isinstance(item.chunks, list) else [None]:
@@ -329,26 +248,20 @@ def check_tensors(directory: Path, metadata: Metadata, sizes: dict[str, int]) ->
                 or extent is None
                 or any(o + z > d for o, z, d in zip(offsets, extent, shape, strict=True))
             ):
-                raise unreadable(
-                    directory, f"its .metadata lists a piece of {key!r} outside its shape"
-                )
+                return f"its .metadata lists a piece of {key!r} outside its shape"
             if math.prod(extent) and MetadataIndex(fqn, offsets) not in metadata.storage_data:
-                raise unreadable(
-                    directory, f"its .metadata lists a piece of {key!r} stored nowhere"
-                )
+                return f"its .metadata lists a piece of {key!r} stored nowhere"
             chunks.append((offsets, extent))
         if _overlapping(chunks):
-            raise unreadable(
-                directory, f"the pieces its .metadata lists for {key!r} overlap (a crafted file)"
-            )
+            return f"the pieces its .metadata lists for {key!r} overlap (a crafted file)"
         covered = sum(math.prod(z) for _, z in chunks)
         if covered != elements:
-            raise unreadable(
-                directory,
+            return (
                 f"the pieces its .metadata lists for {key!r} cover {covered} of its "
                 f"{elements} elements (a crafted or corrupt file: part of the tensor would "
-                "keep its old values)",
+                "keep its old values)"
             )
+    return None
 
 
 def checksums(directory: Path, ctx: Context) -> dict[str, int]:
@@ -381,35 +294,24 @@ def read(
     Raises:
         CheckpointError: a file could not be read, or a value was refused.
     """
-    directory = found.directory
-    files = FileSystemReader(directory)
-    files.fs = _OpenedFiles(found, files.fs)  # type: ignore[assignment]
-    reader = _VettedReader(files, metadata)
-    planner = _SafePlanner(DefaultLoadPlanner(allow_partial_load=partial))
-    with _calling_dcp(ctx, f"load: reading {str(directory)!r}"):
+    # DCP's own reader and planner, with what they would read unsafely replaced on the instance
+    # (house rule: no subclass): the metadata is the one read safely, served without **kwargs
+    # (DCP then never looks for per-rank files); each file is read through the descriptor a
+    # `pinned` load holds; each non-tensor value is read ``weights_only`` (`_vetted`).
+    reader = FileSystemReader(found.directory)
+    reader.read_metadata = lambda: metadata  # type: ignore[method-assign,misc]
+    reader.fs.concat_path = lambda path, suffix: found.path_of(suffix)  # type: ignore[method-assign]
+    planner = DefaultLoadPlanner(allow_partial_load=partial)
+    unsafe = planner.load_bytes  # unpickles without restriction: it gets what `_vetted` returns
+    planner.load_bytes = lambda read_item, value: unsafe(read_item, _vetted(read_item, value))  # type: ignore[method-assign]
+    with _calling_dcp(ctx, f"load: reading {str(found.directory)!r}"):
         dcp_load(
             state_dict,
-            storage_reader=cast(StorageReader, reader),
-            planner=cast(LoadPlanner, planner),
+            storage_reader=reader,
+            planner=planner,
             process_group=host_group(ctx),
             no_dist=ctx.group is None,
         )
-
-
-def _insert(tree: dict[str, Any], path: tuple[str, ...], leaf: Any) -> None:
-    for key in path[:-1]:
-        tree = tree.setdefault(key, {})
-        if not isinstance(tree, dict):
-            raise CheckpointError(
-                f"load: the checkpoint's metadata gives overlapping key paths ({path!r})."
-            )
-    tree[path[-1]] = leaf
-
-
-def _get(tree: dict[str, Any], path: tuple[str, ...]) -> Any:
-    for key in path:
-        tree = tree[key]
-    return tree
 
 
 def read_values(
@@ -417,8 +319,8 @@ def read_values(
 ) -> dict[tuple[str, ...], Any]:
     """Read every non-tensor item, and the uint8 tensors at the key paths ``blobs``.
 
-    Keys are read into nested dicts (DCP flattens a list index and a dict key
-    alike), so no live object is needed and none is touched.
+    They are read into a dict keyed by DCP's own flat keys, so no live object
+    is needed and none is touched.
 
     Returns:
         The values by key path; blobs are returned as tensors, not decoded.
@@ -427,22 +329,18 @@ def read_values(
         CheckpointError: a value was refused, or a file could not be read.
     """
     template: dict[str, Any] = {}
-    paths = []
+    paths: dict[str, tuple[str, ...]] = {}
     for fqn, item in metadata.state_dict_metadata.items():
-        path = tuple(str(p) for p in metadata.planner_data[fqn])
+        paths[fqn] = path = tuple(str(p) for p in metadata.planner_data[fqn])
         if isinstance(item, BytesStorageMetadata):
-            leaf = None
+            template[fqn] = None
         elif (
             path in blobs
             and isinstance(item, TensorStorageMetadata)
             and item.properties.dtype == torch.uint8
             and len(item.size) == 1
         ):
-            leaf = torch.empty(tuple(item.size), dtype=torch.uint8)
-        else:
-            continue
-        _insert(template, path, leaf)
-        paths.append(path)
-    if paths:
+            template[fqn] = torch.empty(tuple(item.size), dtype=torch.uint8)
+    if template:
         read(found, metadata, template, ctx, partial=False)
-    return {path: _get(template, path) for path in paths}
+    return {paths[fqn]: value for fqn, value in template.items()}

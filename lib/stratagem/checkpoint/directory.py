@@ -74,9 +74,9 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from stratagem import validators
 from stratagem.checkpoint.safetensor_files import INDEX
-from stratagem.errors import CheckpointError, UsageError, describe, error_line
-from stratagem.validators import is_int
+from stratagem.errors import CheckpointError, UsageError, error_line
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -140,13 +140,8 @@ def _renameat2() -> Any:
         function = ctypes.CDLL(None, use_errno=True).renameat2
     except (AttributeError, OSError):  # not Linux, or a C library older than glibc 2.28
         return None
-    function.argtypes = [
-        ctypes.c_int,
-        ctypes.c_char_p,
-        ctypes.c_int,
-        ctypes.c_char_p,
-        ctypes.c_uint,
-    ]
+    # (directory, path) of the source, (directory, path) of the destination, flags
+    function.argtypes = (ctypes.c_int, ctypes.c_char_p) * 2 + (ctypes.c_uint,)
     function.restype = ctypes.c_int
     return function
 
@@ -194,9 +189,9 @@ class Found:
         return self.opened.get(name, self.directory / name)
 
 
-def temporary(target: Path, token: str) -> Path:
-    """Return the directory a save to ``target`` writes to before it commits."""
-    return target.with_name(f"{target.name}{_TMP}{token}")
+def temporary(target: Path) -> Path:
+    """Return a new name for the directory a save to ``target`` writes to before it commits."""
+    return target.with_name(f"{target.name}{_TMP}{secrets.token_hex(6)}")
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -258,6 +253,10 @@ def read_manifest(directory: Path, shown: Path | None = None) -> dict[str, Any]:
             size than when it was written (truncated).
     """
     named = directory if shown is None else shown
+
+    def bad(what: str) -> CheckpointError:  # what is wrong with the manifest
+        return unreadable(named, f"{MANIFEST} {what}")
+
     try:
         text = _read_small(directory / MANIFEST, _MAX_MANIFEST).decode("utf-8")
     except FileNotFoundError:
@@ -271,44 +270,39 @@ def read_manifest(directory: Path, shown: Path | None = None) -> dict[str, Any]:
         ) from None
     except (OSError, UnicodeDecodeError) as error:  # a link, a FIFO, a device, huge or not text
         reason = error.strerror if isinstance(error, OSError) else "not UTF-8 text"
-        raise unreadable(named, f"{MANIFEST} is not a manifest ({reason})") from None
+        raise bad(f"is not a manifest ({reason})") from None
     try:
         manifest = json.loads(text)
     except ValueError as error:
-        raise unreadable(named, f"{MANIFEST} is not valid JSON ({error})") from None
+        raise bad(f"is not valid JSON ({error})") from None
     except RecursionError:
-        raise unreadable(
-            named, f"{MANIFEST} is nested deeper than Python can read (a crafted file)"
-        ) from None
+        raise bad("is nested deeper than Python can read (a crafted file)") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise unreadable(named, f"{MANIFEST} does not describe a {FORMAT} checkpoint")
+        raise bad(f"does not describe a {FORMAT} checkpoint")
     when = manifest.get("saved_at_ns")
     if isinstance(when, bool) or not isinstance(when, int):
-        raise unreadable(named, f"{MANIFEST} does not say when it was saved")
+        raise bad("does not say when it was saved")
     if not 0 <= when <= _LAST_NS:
-        raise unreadable(
-            named,
-            f"{MANIFEST} gives saved_at_ns {when}, not a time from 1970 to 9999 "
-            "(a crafted or corrupt file)",
+        raise bad(
+            f"gives saved_at_ns {when}, not a time from 1970 to 9999 (a crafted or corrupt file)"
         )
     world = manifest.get("world_size")
     if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world <= _MAX_WORLD:
-        raise unreadable(
-            named,
-            f"{MANIFEST} gives world_size {world!r}, not a number of ranks from 1 to "
-            f"{_MAX_WORLD} (a crafted or corrupt file)",
+        raise bad(
+            f"gives world_size {world!r}, not a number of ranks from 1 to {_MAX_WORLD} "
+            "(a crafted or corrupt file)"
         )
     files = manifest.get("files")
     if not isinstance(files, dict) or ".metadata" not in files:
-        raise unreadable(named, f"{MANIFEST} lists no files")
+        raise bad("lists no files")
     checksums = manifest.get("checksums", {})
     if not isinstance(checksums, dict) or not all(
         name in files and isinstance(value, int) for name, value in checksums.items()
     ):
-        raise unreadable(named, f"{MANIFEST} has malformed checksums")
+        raise bad("has malformed checksums")
     for name, size in files.items():
         if not isinstance(name, str) or "/" in name or "\\" in name or name in {"", ".", ".."}:
-            raise unreadable(named, f"{MANIFEST} lists a file outside it ({name!r})")
+            raise bad(f"lists a file outside it ({name!r})")
         try:
             status = (directory / name).lstat()
         except FileNotFoundError:
@@ -416,7 +410,7 @@ def order(found: Found) -> tuple[int, int]:
     among themselves by ``saved_at_ns``, and before every newer one.
     """
     sequence = found.manifest.get("sequence", 0)
-    return sequence if is_int(sequence) else 0, found.manifest.get("saved_at_ns", 0)
+    return sequence if validators.is_int(sequence) else 0, found.manifest.get("saved_at_ns", 0)
 
 
 def _next_sequence(parent: Path) -> int:
@@ -500,7 +494,7 @@ def discard(directory: Path) -> None:
     if _TMP not in directory.name:
         # Renamed first: a removal killed half way leaves a temporary name, which the next
         # commit beside it removes, never a checkpoint's name on a directory without a manifest.
-        doomed = temporary(directory, secrets.token_hex(6))
+        doomed = temporary(directory)
         try:
             os.rename(directory, doomed)
         except FileNotFoundError:
@@ -536,18 +530,33 @@ def _lock_path(target: Path) -> Path:
     return target.with_name(f"{target.name}{_LOCK}")
 
 
-def _locked_soon(fd: int) -> bool:
-    """Lock ``fd``, waiting up to a second while its holder has not named itself.
+def _lock(lock: Path, tries: int) -> tuple[int, bool]:
+    """Open ``lock`` (made if absent) and lock it: its descriptor, and whether it is now held.
+
+    The holder before us may have removed the file after we opened it: the
+    one at the path is locked, or two savers would each hold a lock of their own.
+    """
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        if not _locked_soon(fd, tries):
+            return fd, False
+        if _still_at(fd, lock):
+            return fd, True
+        os.close(fd)
+
+
+def _locked_soon(fd: int, tries: int) -> bool:
+    """Lock ``fd``, trying ``tries`` times 10 ms apart while its holder has not named itself.
 
     A save names itself just after it locks; a commit cleaning beside it
     (`_sweep`) holds a lock for a moment and names nobody.
     """
-    for _ in range(100):
+    for attempt in range(tries):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            if os.pread(fd, 1, 0):
-                return False  # a save holds it
+            if attempt == tries - 1 or os.pread(fd, 1, 0):
+                return False  # the last try, or a save holds it
             time.sleep(0.01)
         else:
             return True
@@ -567,22 +576,16 @@ def _claim(target: Path) -> int:
             f"{os.fspath(target)!r} is never taken through a link; remove the link (no save "
             "holds it) and save again."
         )
-    while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        if not _locked_soon(fd):
-            owner = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
-            os.close(fd)
-            owner = owner or "a process that has not yet written its pid"
-            raise CheckpointError(
-                f"save: another save to {os.fspath(target)!r} is writing it ({owner}); two "
-                "saves to one path would overwrite each other's files. Let it finish, or save "
-                "to another path."
-            ) from None
-        # The holder before us may have removed the file after we opened it: lock the one at
-        # the path, or two savers would each hold a lock of their own.
-        if _still_at(fd, lock):
-            break
+    fd, held = _lock(lock, tries=100)  # up to a second
+    if not held:
+        owner = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
         os.close(fd)
+        owner = owner or "a process that has not yet written its pid"
+        raise CheckpointError(
+            f"save: another save to {os.fspath(target)!r} is writing it ({owner}); two "
+            "saves to one path would overwrite each other's files. Let it finish, or save "
+            "to another path."
+        ) from None
     owner = f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%H:%M:%S')}"
     os.ftruncate(fd, 0)
     os.pwrite(fd, owner.encode(), 0)
@@ -615,7 +618,7 @@ def _put_back(target: Path) -> None:
         _fsync_directory(target.parent)
 
 
-def begin(target: Path, token: str) -> Path:
+def begin(target: Path) -> Path:
     """Lock saves to ``target`` and make the directory this one writes to (rank 0).
 
     Raises:
@@ -628,7 +631,7 @@ def begin(target: Path, token: str) -> Path:
         try:
             _put_back(target)
             _replaceable(target)
-            tmp = temporary(target, token)
+            tmp = temporary(target)
             tmp.mkdir()
         except BaseException:
             _unlock(_lock_path(target), fd)
@@ -647,15 +650,13 @@ def _writable_parent(target: Path) -> None:
             loop), or the parent is itself a checkpoint (which a prune or a
             save replacing it would remove, with whatever it holds).
     """
-    for ancestor in [target.parent, *target.parent.parents]:
-        if os.path.lexists(ancestor):
-            if not ancestor.is_dir():
-                what = "a link that leads nowhere" if ancestor.is_symlink() else "a file"
-                raise CheckpointError(
-                    f"save: {os.fspath(ancestor)!r} is not a directory ({what}), so "
-                    f"{os.fspath(target)!r} cannot be made under it; remove it, or save elsewhere."
-                )
-            break
+    ancestor = next(a for a in target.parents if os.path.lexists(a))  # the nearest that exists
+    if not ancestor.is_dir():
+        what = "a link that leads nowhere" if ancestor.is_symlink() else "a file"
+        raise CheckpointError(
+            f"save: {os.fspath(ancestor)!r} is not a directory ({what}), so "
+            f"{os.fspath(target)!r} cannot be made under it; remove it, or save elsewhere."
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     if (target.parent / MANIFEST).exists():
         raise CheckpointError(
@@ -774,8 +775,9 @@ def _sweep(target: Path) -> None:
             lock = _lock_path(other)
             if lock.is_symlink():
                 continue  # not ours to remove: a save to it says what is wrong
-            fd = _try_lock(lock)
-            if fd is None:
+            fd, held = _lock(lock, tries=1)
+            if not held:
+                os.close(fd)
                 continue  # a live save holds it
             try:
                 leftovers = _siblings(other, _TMP)
@@ -797,20 +799,6 @@ def _our_lock(path: Path) -> bool:
         text = b"link" if path.is_symlink() else _read_small(path, 4096)
         return text == b"" or text.startswith(b"pid ")
     return False
-
-
-def _try_lock(lock: Path) -> int | None:
-    """Return a descriptor holding ``lock`` (made if absent); None where a live process holds it."""
-    while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return None
-        if _still_at(fd, lock):
-            return fd
-        os.close(fd)  # its holder removed it meanwhile: lock the one at the path
 
 
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -891,10 +879,23 @@ def path_text(value: object, function: str, name: str) -> Any:
             a non-empty str or path-like.
     """
     if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
-        raise UsageError(
-            f"{function}: '{name}' must be a str or os.PathLike (got {describe(value)})."
-        )
+        raise validators.refusal(f"{function}: '{name}'", "a str or os.PathLike", value)
     return os.fspath(value)
+
+
+def checked_path(path: object, function: str) -> Path:
+    """Return ``path`` as an absolute `Path`.
+
+    Raises:
+        UsageError: ``path`` is not a non-empty str or path-like.
+    """
+    text = path_text(path, function, "path")
+    if (b"\0" if isinstance(text, bytes) else "\0") in text:
+        raise UsageError(
+            f"{function}: 'path' holds a NUL byte ({text!r}), which no file name may; pass the "
+            "path without it."
+        )
+    return Path(text).absolute()
 
 
 def run_directory(directory: object, function: str) -> Path:
@@ -983,7 +984,6 @@ def read_metadata(found: Found) -> Metadata:
     """
     from torch.distributed.checkpoint.metadata import Metadata
 
-    directory = found.directory
     with open(found.path_of(".metadata"), "rb") as file:
         # The pure-Python unpickler looks find_class up on the instance, so it is
         # restricted without a subclass (house rule: no subclassing outside Protocols).
@@ -993,12 +993,12 @@ def read_metadata(found: Found) -> Metadata:
             metadata = unpickler.load()
         except Exception as error:  # any failure means an unreadable file
             raise unreadable(
-                directory,
+                found.directory,
                 f"its .metadata cannot be read safely ({type(error).__name__}: {error})",
             ) from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.planner_data, dict):
         raise unreadable(
-            directory, "its .metadata does not hold the metadata of a stratagem checkpoint"
+            found.directory, "its .metadata does not hold the metadata of a stratagem checkpoint"
         )
     return metadata
 

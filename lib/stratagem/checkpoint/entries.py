@@ -43,10 +43,10 @@ import torch
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from stratagem.checkpoint.directory import encode
-from stratagem.errors import CheckpointError, UsageError, describe
+from stratagem.errors import CheckpointError, UsageError
 from stratagem.parts import Part, part_of
 from stratagem.training import original_module
-from stratagem.validators import require
+from stratagem.validators import refusal, require
 
 if TYPE_CHECKING:
     from stratagem.env import Context
@@ -58,10 +58,10 @@ __all__ = [
     "PerRank",
     "capture_rng",
     "classify",
-    "differing_replicas",
     "leaf_paths",
     "listing",
     "per_rank",
+    "refuse_differing_replicas",
     "restore_rng",
     "saved_state",
     "tied_keys",
@@ -70,14 +70,14 @@ __all__ = [
     "written_by_this_rank",
 ]
 
+RNG_KEY = "_stratagem_rng"
+_RESERVED = "_stratagem"
+Path = tuple[str, ...]
 Kind = Literal["module", "optimizer", "object", "value", "per_rank_object", "per_rank_value"]
 KINDS: tuple[Kind, ...] = get_args(Kind)
 PER_RANK_KINDS: tuple[Kind, ...] = ("per_rank_object", "per_rank_value")
 VALUE_KINDS: tuple[Kind, ...] = ("value", "per_rank_value")  # load returns them, asked for or not
 _OBJECT_KINDS: tuple[Kind, ...] = ("object", "per_rank_object")
-RNG_KEY = "_stratagem_rng"
-_RESERVED = "_stratagem"
-Path = tuple[str, ...]
 
 
 @attrs.frozen
@@ -155,11 +155,8 @@ def _kind(value: object) -> Kind:
         return "module"
     if isinstance(value, torch.optim.Optimizer):
         return "optimizer"
-    if callable(getattr(value, "state_dict", None)) and callable(
-        getattr(value, "load_state_dict", None)
-    ):
-        return "object"
-    return "value"
+    stateful = all(callable(getattr(value, m, None)) for m in ("state_dict", "load_state_dict"))
+    return "object" if stateful else "value"
 
 
 def _owner(
@@ -205,10 +202,7 @@ def classify(state: object, function: str) -> list[Entry]:
             (starts with ``_stratagem``), or an optimizer's module is missing.
     """
     if not isinstance(state, Mapping) or not all(isinstance(k, str) and k for k in state):
-        raise UsageError(
-            f"{function}: 'state' must be a mapping with non-empty str keys "
-            f"(got {describe(state)})."
-        )
+        raise refusal(f"{function}: 'state'", "a mapping with non-empty str keys", state)
     reserved = sorted(k for k in state if k.startswith(_RESERVED))
     if reserved:
         raise UsageError(
@@ -231,10 +225,8 @@ def classify(state: object, function: str) -> list[Entry]:
         elif kind == "optimizer":
             owner = _owner(name, value, modules)
             entries.append(Entry(name, kind, value, owner, part=part_of(owner)))
-        elif kind in PER_RANK_KINDS:
-            entries.append(Entry(name, kind, value.value))
-        else:
-            entries.append(Entry(name, kind, value))
+        else:  # an object or a value, replicated or marked per rank
+            entries.append(Entry(name, kind, value.value if isinstance(value, PerRank) else value))
     return entries
 
 
@@ -385,12 +377,11 @@ def leaf_paths(tree: Any, prefix: Path = ()) -> Iterator[tuple[Path, Any]]:
 
 
 def _holds_containers(items: list[Any]) -> bool:
-    for item in items:
-        if isinstance(item, (Mapping, torch.Tensor)):
-            return True
-        if isinstance(item, list) and _holds_containers(item):
-            return True
-    return False
+    return any(
+        isinstance(item, (Mapping, torch.Tensor))
+        or (isinstance(item, list) and _holds_containers(item))
+        for item in items
+    )
 
 
 def _is_sharded(leaf: object) -> bool:
@@ -461,10 +452,10 @@ def listing(keys: Sequence[str], *, shown: int = _SHOWN) -> str:
     return ", ".join(keys[:shown]) + more
 
 
-def differing_replicas(
-    replicated: dict[str, Any], ctx: Context, parts: Mapping[str, int] | None = None
-) -> str | None:
-    """Compare the replicated entries of every rank; describe those that differ, by key.
+def refuse_differing_replicas(
+    replicated: dict[str, Any], ctx: Context, parts: Mapping[str, int]
+) -> None:
+    """Compare the replicated entries of every rank; refuse a verified save where any differ.
 
     Args:
         replicated: this rank's replicated entries by name, as values (module and
@@ -475,15 +466,15 @@ def differing_replicas(
             over ranks, each with the rank whose copy of this rank's part is
             written: a part is compared with that rank's, the rest with rank 0's.
 
-    Returns:
-        None if every rank holds the same, else the keys and the ranks that differ.
+    Raises:
+        CheckpointError: some rank's copy differs; the message lists the keys
+            and the ranks that differ.
     """
-    parts = parts or {}
     mine: dict[str, str] = {}
     for name in sorted(replicated):
         _fingerprints(replicated[name], f"/{name}", mine)
     if ctx.group is None or ctx.world_size == 1:
-        return None
+        return
     import torch.distributed as dist
 
     from stratagem.env import host_group
@@ -498,23 +489,18 @@ def differing_replicas(
             reference = their_parts.get(name, 0)
             if rank != reference and everyone[reference][0].get(path) != theirs.get(path):
                 differing.setdefault((path[1:], reference), []).append(rank)
-    if not differing:
-        return None
     described = [
         f"{key} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
         f"differ{'' if len(ranks) > 1 else 's'} from rank {reference})"
         for (key, reference), ranks in differing.items()
     ]
-    return f"{len(differing)} replicated entries differ across ranks: {listing(described)}"
-
-
-def refuse_differing(report: str) -> CheckpointError:
-    """Return the error of a verified save whose replicated entries differ."""
-    return CheckpointError(
-        f"save(verify=True): {report}. Nothing was written. Only rank 0's copy of a "
-        "replicated entry is saved; make the ranks agree (e.g. broadcast from rank 0), or "
-        "mark state that differs by design with sg.per_rank(...)."
-    )
+    if differing:
+        raise CheckpointError(
+            f"save(verify=True): {len(differing)} replicated entries differ across ranks: "
+            f"{listing(described)}. Nothing was written. Only rank 0's copy of a "
+            "replicated entry is saved; make the ranks agree (e.g. broadcast from rank 0), or "
+            "mark state that differs by design with sg.per_rank(...)."
+        )
 
 
 def capture_rng(device: torch.device) -> dict[str, Any]:

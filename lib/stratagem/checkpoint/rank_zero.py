@@ -34,8 +34,7 @@ def on_main(ctx: Context, fn: Callable[[], T]) -> T:
             outcome = (True, fn())
         except Exception as error:  # every rank must learn of it, or the others would hang
             outcome = (False, error)
-    outcome = collectives.broadcast(outcome, ctx)
-    ok, value = outcome
+    ok, value = collectives.broadcast(outcome, ctx)
     if not ok:
         raise value
     return value  # type: ignore[no-any-return]

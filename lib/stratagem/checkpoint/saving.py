@@ -11,8 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import secrets
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Container, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, cast
 
@@ -23,7 +22,7 @@ import torch.distributed as dist
 from stratagem import collectives
 from stratagem.checkpoint import background, directory, undo
 from stratagem.checkpoint.background import PendingSave
-from stratagem.checkpoint.directory import Found, decode, read_metadata, unreadable
+from stratagem.checkpoint.directory import Found, checked_path, decode, read_metadata, unreadable
 from stratagem.checkpoint.entries import (
     KINDS,
     PER_RANK_KINDS,
@@ -33,11 +32,10 @@ from stratagem.checkpoint.entries import (
     Kind,
     capture_rng,
     classify,
-    differing_replicas,
     leaf_paths,
     listing,
     live_state,
-    refuse_differing,
+    refuse_differing_replicas,
     restore_rng,
     saved_state,
     what_stored,
@@ -57,24 +55,16 @@ __all__ = ["Mismatch", "layout_of", "load", "match", "opened", "save"]
 logger = logging.getLogger("stratagem.checkpoint")
 
 
-def checked_path(path: object, function: str) -> Path:
-    """Return ``path`` as an absolute `Path`.
-
-    Raises:
-        UsageError: ``path`` is not a non-empty str or path-like.
-    """
-    text = directory.path_text(path, function, "path")
-    if (b"\0" if isinstance(text, bytes) else "\0") in text:
-        raise UsageError(
-            f"{function}: 'path' holds a NUL byte ({text!r}), which no file name may; pass the "
-            "path without it."
-        )
-    return Path(text).absolute()
-
-
-def _check_flags(function: str, **flags: object) -> None:
+def _checked_call(
+    function: str, path: object, ctx: Context, **flags: object
+) -> tuple[Path, Context]:
+    """Return the path and the world of a save or load, checked before any file is made."""
+    ctx = collectives.check_world(check_context(ctx, function), function)
+    collectives.expect_everyone(ctx, function)
+    target = checked_path(path, function)
     for name, value in flags.items():
         require(isinstance(value, bool), f"{function}: '{name}'", "True or False", value)
+    return target, ctx
 
 
 def save(
@@ -136,10 +126,8 @@ def save(
             across ranks.
         CollectiveCallError: some ranks did not call ``save``.
     """
-    ctx = collectives.check_world(check_context(ctx, "save"), "save")  # before any file is made
-    collectives.expect_everyone(ctx, "save")
-    target = checked_path(path, "save")
-    _check_flags("save", rng=rng, verify=verify, checksums=checksums, blocking=blocking)
+    flags = {"rng": rng, "verify": verify, "checksums": checksums, "blocking": blocking}
+    target, ctx = _checked_call("save", path, ctx, **flags)
     ok = keep_last is None or is_int(keep_last, 1)
     require(ok, "save: 'keep_last'", "None or a positive int", keep_last)
     entries = classify(state, "save")
@@ -151,8 +139,7 @@ def save(
         saved, ties = saved_state(entries, ctx, with_rng=rng)
     except UsageError as caught:
         error = caught
-    settings = {"path": str(target), "blocking": blocking, "rng": rng, "verify": verify}
-    settings |= {"checksums": checksums, "keep_last": keep_last, "entries": sorted(state)}
+    settings = {"path": str(target), **flags, "keep_last": keep_last, "entries": sorted(state)}
     agree(ctx, error, settings, what="save")
     per_rank = {e.name for e in entries if e.kind in PER_RANK_KINDS} | ({RNG_KEY} if rng else set())
     if verify:
@@ -167,16 +154,13 @@ def save(
             if e.name not in per_rank
         }
         references = {e.name: e.part.reference for e in entries if e.part is not None}
-        report = differing_replicas(compared, ctx, references)
-        if report is not None:
-            raise refuse_differing(report)
+        refuse_differing_replicas(compared, ctx, references)
     from stratagem.checkpoint import dcp_files  # imports DCP (a second): only once it is needed
 
     parts = {e.name: e.part.writes for e in entries if e.part is not None}
     if parts:  # a tie inside a part held by another rank is known to that rank only
         ties = everyones_ties(ties, ctx)
-    token = secrets.token_hex(6)
-    tmp = on_main(ctx, lambda: directory.begin(target, token))
+    tmp = on_main(ctx, lambda: directory.begin(target))
     manifest = {
         "entries": {e.name: e.kind for e in entries},
         "tied": ties,
@@ -213,12 +197,9 @@ def save(
 
 
 def _kinds(found: Found) -> dict[str, Kind]:
-    entries = found.manifest.get("entries")
-    world = found.manifest.get("world_size")
-    if (
-        not isinstance(entries, dict)
-        or not all(isinstance(k, str) and v in KINDS for k, v in entries.items())
-        or not isinstance(world, int)
+    entries = found.manifest.get("entries")  # its world_size was checked with the manifest
+    if not isinstance(entries, dict) or not all(
+        isinstance(k, str) and v in KINDS for k, v in entries.items()
     ):
         raise unreadable(found.directory, "its manifest does not list its entries")
     return entries
@@ -233,10 +214,12 @@ def _checked(found: Found) -> Metadata:
     directory.verify(found)
     metadata = read_metadata(found)
     layout_of(metadata)  # every item has a key path
-    from stratagem.checkpoint import dcp_files
+    from stratagem.checkpoint.dcp_files import storage_problem, tensor_problem
 
-    dcp_files.check_storage(found.directory, metadata, found.manifest["files"])
-    dcp_files.check_tensors(found.directory, metadata, found.manifest["files"])
+    sizes = found.manifest["files"]
+    problem = storage_problem(metadata, sizes) or tensor_problem(metadata, sizes)
+    if problem is not None:
+        raise unreadable(found.directory, problem)
     return metadata
 
 
@@ -272,10 +255,8 @@ def opened(target: Path, ctx: Context) -> Iterator[tuple[Found, Metadata]]:
                 return found, _checked(found)
 
             main = on_main(ctx, first)
-            mine = None
-            if main is not None and ctx.is_main:
-                mine = main[0]
-            elif main is not None:
+            mine = main[0] if main is not None and ctx.is_main else None
+            if main is not None and not ctx.is_main:
                 with contextlib.suppress(FileNotFoundError, CheckpointError):
                     pinned = held.enter_context(directory.pinned(main[0].directory))
                     mine = pinned if pinned.manifest == main[0].manifest else None
@@ -291,36 +272,26 @@ def opened(target: Path, ctx: Context) -> Iterator[tuple[Found, Metadata]]:
 
 
 def blob_paths(
-    kinds: dict[str, Kind],
-    world_size: int,
-    *,
-    ranks: Iterable[int] | None = None,
-    present: Iterable[tuple[str, ...]] | None = None,
+    kinds: dict[str, Kind], ranks: Container[int], metadata: Metadata
 ) -> set[tuple[str, ...]]:
     """Return the key paths of the values stored as bytes: plain values, objects' states, RNGs.
 
     Args:
         kinds: the checkpoint's entries.
-        world_size: the size of the saving world.
-        ranks: the ranks whose per-rank entries and RNG states to include
-            (default: all, as far as ``present`` holds them).
-        present: the key paths the checkpoint holds (its metadata's): with
-            all ranks, the paths are picked from these rather than made for
-            every rank.
+        ranks: the ranks whose per-rank entries and RNG states to include.
+        metadata: the checkpoint's metadata: the paths are picked from those it
+            holds, never made for every rank of a (crafted) world of millions.
     """
-    paths = {(name,) for name, kind in kinds.items() if kind in ("object", "value")}
     per_rank = {RNG_KEY, *(name for name, kind in kinds.items() if kind in PER_RANK_KINDS)}
-    if ranks is None and present is not None:
-        return paths | {
-            path
-            for path in present
-            if len(path) == 2
-            and path[0] in per_rank
-            and path[1].isdecimal()
-            and int(path[1]) < world_size
-        }
-    chosen = range(world_size) if ranks is None else ranks
-    return paths | {(name, str(rank)) for rank in chosen for name in per_rank}
+    held = (tuple(map(str, p)) for p in metadata.planner_data.values() if isinstance(p, tuple))
+    return {
+        path
+        for path in held
+        if (len(path) == 1 and kinds.get(path[0]) in ("object", "value"))
+        or (
+            len(path) == 2 and path[0] in per_rank and path[1].isdecimal() and int(path[1]) in ranks
+        )
+    }
 
 
 def decoded(stored: dict[tuple[str, ...], Any], path: tuple[str, ...], what: str) -> Any:
@@ -399,14 +370,12 @@ def _describe_kind(kind: str) -> str:
 def _differs(leaf: Any, item: STORAGE_TYPES) -> str | None:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    if isinstance(leaf, torch.Tensor):
-        if not isinstance(item, TensorStorageMetadata):
-            return "a value in the checkpoint, a tensor here"
-        if tuple(item.size) != tuple(leaf.shape):
-            return f"shape {tuple(item.size)} in the checkpoint, {tuple(leaf.shape)} here"
-        return None
-    if isinstance(item, TensorStorageMetadata):
-        return "a tensor in the checkpoint, a value here"
+    saved = "a tensor" if isinstance(item, TensorStorageMetadata) else "a value"
+    here = "a tensor" if isinstance(leaf, torch.Tensor) else "a value"
+    if saved != here:
+        return f"{saved} in the checkpoint, {here} here"
+    if isinstance(item, TensorStorageMetadata) and tuple(item.size) != tuple(leaf.shape):
+        return f"shape {tuple(item.size)} in the checkpoint, {tuple(leaf.shape)} here"
     return None
 
 
@@ -432,12 +401,11 @@ def match(
     """
     templates: dict[str, Any] = {}
     missing: list[str] = []
-    unexpected: list[str] = []
     differing: list[str] = []
     names = {entry.name for entry in entries}
     held_parts: set[str] = set()  # the keys this rank's parts hold
     unheld: list[str] = []  # saved keys of parts that this rank does not hold
-    unexpected += [n for n, k in saved_kinds.items() if k not in VALUE_KINDS and n not in names]
+    unexpected = [n for n, k in saved_kinds.items() if k not in VALUE_KINDS and n not in names]
     for entry in entries:
         kind = saved_kinds.get(entry.name)
         if kind is None:
@@ -513,10 +481,7 @@ def load(
         CollectiveCallError: some ranks did not call ``load`` within
             ``ctx.arrivals.timeout`` seconds.
     """
-    ctx = collectives.check_world(check_context(ctx, "load"), "load")  # before any file is made
-    collectives.expect_everyone(ctx, "load")
-    target = checked_path(path, "load")
-    _check_flags("load", strict=strict, rng=rng)
+    target, ctx = _checked_call("load", path, ctx, strict=strict, rng=rng)
     entries = classify(state, "load")
     with opened(target, ctx) as (found, metadata):
         return _load(found, metadata, entries, ctx, strict=strict, rng=rng)
@@ -538,7 +503,7 @@ def _load(
     # Every value is read and vetted before any live tensor is written.
     same_world = saved_world == ctx.world_size
     own = [ctx.rank] if same_world else []
-    stored = dcp_files.read_values(found, metadata, blob_paths(kinds, saved_world, ranks=own), ctx)
+    stored = dcp_files.read_values(found, metadata, blob_paths(kinds, own, metadata), ctx)
     mine = str(ctx.rank)
 
     def decoded_all(kind: Kind) -> dict[str, Any]:
@@ -565,8 +530,7 @@ def _load(
             tried_rng(rng_saved, ctx.device, int(mine))
     except CheckpointError as error:
         rank_error = error
-    ties = _ties(found)
-    flat = _flat(found)
+    ties, flat = _ties_and_flat(found)
     templates, mismatch = match(entries, kinds, layout_of(metadata), ties, flat, ctx)
     stranded = [] if same_world else _stranded(entries, kinds)
     agree(
@@ -639,24 +603,22 @@ def tried_rng(state: Any, device: torch.device, rank: int) -> None:
         restore_rng(kept, device)
 
 
-def _ties(found: Found) -> dict[str, dict[str, str]]:
-    """Return the manifest's tied keys, ``{module: {alias: original}}`` (none before they were)."""
-    ties = found.manifest.get("tied", {})
+def _ties_and_flat(found: Found) -> tuple[dict[str, dict[str, str]], frozenset[str]]:
+    """Return the manifest's tied keys and its optimizers keyed per parameter name.
+
+    Tied keys read ``{module: {alias: original}}``; checkpoints saved before
+    either was recorded have none.
+    """
+    ties, flat = found.manifest.get("tied", {}), found.manifest.get("flat", [])
     if not isinstance(ties, dict) or not all(
         isinstance(aliases, dict)
         and all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items())
         for aliases in ties.values()
     ):
         raise unreadable(found.directory, "its manifest's 'tied' entry is malformed")
-    return ties
-
-
-def _flat(found: Found) -> frozenset[str]:
-    """Return the optimizers the manifest lists as keyed per parameter name (none before them)."""
-    flat = found.manifest.get("flat", [])
     if not isinstance(flat, list) or not all(isinstance(name, str) for name in flat):
         raise unreadable(found.directory, "its manifest's 'flat' entry is malformed")
-    return frozenset(flat)
+    return ties, frozenset(flat)
 
 
 def _retie(

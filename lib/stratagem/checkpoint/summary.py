@@ -12,14 +12,9 @@ from typing import Any
 import attrs
 import torch
 
+from stratagem.checkpoint.directory import checked_path
 from stratagem.checkpoint.entries import RNG_KEY, Kind
-from stratagem.checkpoint.saving import (
-    blob_paths,
-    checked_path,
-    decoded,
-    layout_of,
-    opened,
-)
+from stratagem.checkpoint.saving import blob_paths, decoded, layout_of, opened
 from stratagem.env import Context, Env
 from stratagem.trees import map_tensors
 
@@ -80,7 +75,7 @@ class Description:
                     shown.update(_value_lines(key[len(prefix) :], value))
             if name in self.values:
                 shown.update(_value_lines("", self.values[name]))
-            lines += [f"    {key}{text}" for key, text in sorted(shown.items(), key=_by_key)]
+            lines += [f"    {key}{shown[key]}" for key in sorted(shown, key=_natural)]
         return "\n".join(lines)
 
 
@@ -113,10 +108,6 @@ def _name(name: str) -> str:
 def _natural(key: str) -> list[str | int]:
     """Return a sort key: text as text, runs of digits by value (``2.w`` before ``10.w``)."""
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key)]
-
-
-def _by_key(item: tuple[str, str]) -> list[str | int]:
-    return _natural(item[0])
 
 
 @attrs.frozen
@@ -174,8 +165,7 @@ def describe(path: str | os.PathLike[str]) -> Description:
     with opened(checked_path(path, "describe"), alone) as (found, metadata):
         kinds: dict[str, Kind] = found.manifest["entries"]
         world = found.manifest["world_size"]
-        held = [tuple(map(str, p)) for p in metadata.planner_data.values() if isinstance(p, tuple)]
-        blobs = blob_paths(kinds, world, present=held)
+        blobs = blob_paths(kinds, range(world), metadata)
         stored = dcp_files.read_values(found, metadata, blobs, alone)
     tensors, values = {}, {}
     for name, items in layout_of(metadata).items():

@@ -38,14 +38,12 @@ class Kept:
 
 def keep(entries: list[Entry], templates: dict[str, Any], objects: dict[str, Any]) -> Kept:
     """Copy what loading ``templates`` and ``objects`` into ``entries`` may change."""
-    seen: set[int] = set()
-    tensors: list[tuple[torch.Tensor, torch.Tensor]] = []
+    tensors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # each tensor once, by identity
 
     def hold(tensor: torch.Tensor) -> None:
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
+        if id(tensor) not in tensors:
             local = _local(tensor)
-            tensors.append((local, local.detach().to("cpu", copy=True)))
+            tensors[id(tensor)] = (local, local.detach().to("cpu", copy=True))
 
     for template in templates.values():
         for _, leaf in leaf_paths(template):
@@ -70,7 +68,7 @@ def keep(entries: list[Entry], templates: dict[str, Any], objects: dict[str, Any
     states = [
         (e.name, e.target, _copied(e.target.state_dict())) for e in entries if e.name in objects
     ]
-    return Kept(tensors, optimizers, states)
+    return Kept(list(tensors.values()), optimizers, states)
 
 
 def _copied(state: Any) -> Any:

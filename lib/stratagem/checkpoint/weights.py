@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -24,13 +25,13 @@ from typing import Any, cast
 import torch
 
 from stratagem.checkpoint import safetensor_files
-from stratagem.checkpoint.directory import WEIGHT_FILES
+from stratagem.checkpoint.directory import WEIGHT_FILES, checked_path
 from stratagem.checkpoint.entries import listing, settle, unwrap
 from stratagem.checkpoint.rank_zero import on_main
 from stratagem.env import Context, check_context
 from stratagem.errors import CheckpointError, UsageError, describe, error_line
 from stratagem.parts import part_of
-from stratagem.validators import is_int, require
+from stratagem.validators import is_int, refusal, require
 
 __all__ = ["export_weights", "import_weights", "weights_format"]
 
@@ -41,15 +42,11 @@ def weights_format(path: Path) -> str:
 
 
 def _checked(path: object, module: object, ctx: object, function: str) -> tuple[Path, Any]:
-    from stratagem.checkpoint.saving import checked_path
-
     target = checked_path(path, function)
     check_context(ctx, function)
     if not isinstance(module, torch.nn.Module):
-        raise UsageError(
-            f"{function}: 'module' must be a torch.nn.Module (got {describe(module)}); pass "
-            "what wrap returned."
-        )
+        hint = "; pass what wrap returned"
+        raise refusal(f"{function}: 'module'", "a torch.nn.Module", module, hint=hint)
     if part_of(module) is not None:
         raise UsageError(
             f"{function}: {type(module).__name__} is one rank's part of a pipeline; each rank "
@@ -57,14 +54,6 @@ def _checked(path: object, module: object, ctx: object, function: str) -> tuple[
             "sg.checkpoint.save and load, which keep every stage's part."
         )
     return target, settle(unwrap(module))
-
-
-def _full_state(plain: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every rank takes part; rank 0 gets the whole state on the CPU, the others ``{}``."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return cast(dict[str, torch.Tensor], get_model_state_dict(plain, options=options))
 
 
 def export_weights(
@@ -92,6 +81,8 @@ def export_weights(
         UsageError: a bad argument, or a sharded export into an existing directory.
         CheckpointError: the file could not be written (every rank raises).
     """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     target, plain = _checked(path, module, ctx, "export_weights")
     kind = weights_format(target)
     limit = 5 * 10**9 if shard_bytes is None else shard_bytes
@@ -102,7 +93,9 @@ def export_weights(
             f"export_weights: 'shard_bytes' shards a directory export, but {target.name} is "
             f"one {kind} file; pass a directory path, or leave shard_bytes out."
         )
-    state = _full_state(plain)
+    # Every rank takes part; rank 0 gets the whole state on the CPU, the others {}.
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = cast(dict[str, torch.Tensor], get_model_state_dict(plain, options=options))
     on_main(ctx, lambda: _write(target, kind, state, limit))
 
 
@@ -130,9 +123,7 @@ def _write(target: Path, kind: str, state: dict[str, torch.Tensor], limit: int) 
         raise CheckpointError(f"export_weights: cannot write {target}: {error}") from None
     finally:
         if tmp.is_dir():
-            for leftover in tmp.iterdir():
-                leftover.unlink()
-            tmp.rmdir()
+            shutil.rmtree(tmp)
         else:
             tmp.unlink(missing_ok=True)
 
@@ -149,18 +140,13 @@ def _write_shards(tmp: Path, tensors: dict[str, torch.Tensor], limit: int) -> No
             used = 0
         groups[-1][name] = tensor
         used += size
-    shard_files = [
-        f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))
-    ]
-    for shard, group in zip(shard_files, groups, strict=True):
+    weight_map: dict[str, str] = {}
+    for i, group in enumerate(groups):
+        shard = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         safetensor_files.write(tmp / shard, group, {"format": "pt"})
+        weight_map |= dict.fromkeys(group, shard)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {
-        "metadata": {"total_size": total},
-        "weight_map": {
-            key: shard for shard, group in zip(shard_files, groups, strict=True) for key in group
-        },
-    }
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (tmp / safetensor_files.INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
 
 
@@ -214,15 +200,15 @@ def _mismatch(found: Mapping[str, torch.Tensor], wanted: Mapping[str, torch.Size
     shapes = sorted(
         k for k in set(found) & set(wanted) if tuple(found[k].shape) != tuple(wanted[k])
     )
-    problems = []
-    if missing:
-        problems.append(f"missing {listing(missing, shown=5)}")
-    if unexpected:
-        problems.append(f"not in the module {listing(unexpected, shown=5)}")
-    for key in shapes[:5]:
-        problems.append(
-            f"{key} is {list(found[key].shape)} in the file, {list(wanted[key])} in the module"
-        )
+    problems = [
+        f"{label} {listing(keys, shown=5)}"
+        for label, keys in (("missing", missing), ("not in the module", unexpected))
+        if keys
+    ]
+    problems += [
+        f"{key} is {list(found[key].shape)} in the file, {list(wanted[key])} in the module"
+        for key in shapes[:5]
+    ]
     return "; ".join(problems) if problems else None
 
 
