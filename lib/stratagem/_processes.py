@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import gc
 import inspect
 import multiprocessing
@@ -55,15 +56,16 @@ __all__ = [
     "error_report",
     "first_cause",
     "forwarding_signals",
+    "handling",
     "in_collective",
     "local_env",
+    "local_variables",
     "pack",
     "prepare_rank",
     "rank_main",
     "receive",
     "remote_error",
     "rendezvous",
-    "returned_early",
     "send",
     "send_error",
     "stop",
@@ -145,6 +147,17 @@ _STOP_SIGNALS = tuple(
 
 
 @contextlib.contextmanager
+def handling(signals: Iterable[int], handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """Inside, ``handler`` handles ``signals``; on the way out, the handlers before it again."""
+    previous = {number: signal.signal(number, handler) for number in signals}
+    try:
+        yield
+    finally:
+        for number, old in previous.items():
+            signal.signal(number, old)
+
+
+@contextlib.contextmanager
 def forwarding_signals(processes: Sequence[BaseProcess]) -> Iterator[Signalled]:
     """Inside, SIGINT, SIGTERM and SIGUSR1 reach the ranks too; a second signal kills them.
 
@@ -174,36 +187,39 @@ def forwarding_signals(processes: Sequence[BaseProcess]) -> Iterator[Signalled]:
         elif len(received) == 1:
             raise _Interrupted(signum)
 
-    watched = (signal.SIGINT, *_STOP_SIGNALS)
-    previous = {sig: signal.signal(sig, handler) for sig in watched}
     try:
-        yield signalled
+        with handling((signal.SIGINT, *_STOP_SIGNALS), handler):
+            yield signalled
     except _Interrupted as interrupted:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
         if interrupted.signum == signal.SIGINT:
             raise KeyboardInterrupt from None
         os.kill(os.getpid(), interrupted.signum)  # now handled as before the launch
         raise
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
+
+
+def local_variables(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """Return the variables of rank ``rank`` of a world on this host, as torchrun gives its ranks.
+
+    The launcher serves the store (``TORCHELASTIC_USE_AGENT_STORE``). Ray's actors
+    get them in their ``os.environ``; a spawned rank reads its `Env` from them.
+    """
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "true",
+    }
 
 
 def local_env(rank: int, world_size: int, port: int) -> Env:
     """Describe rank ``rank`` of a world spawned on this host, its store served by the parent."""
-    from stratagem.env import Env  # imports torch: not before a rank armed its death signal
+    from stratagem.env import detect_env  # imports torch: not before a rank armed its death signal
 
-    return Env(
-        rank=rank,
-        local_rank=rank,
-        world_size=world_size,
-        local_world_size=world_size,
-        master_addr="127.0.0.1",
-        master_port=port,
-        source="spawn",
-        agent_store=True,
-    )
+    return attrs.evolve(detect_env(local_variables(rank, world_size, port)), source="spawn")
 
 
 def prepare_rank(env: Env) -> None:
@@ -219,19 +235,43 @@ def prepare_rank(env: Env) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
 
 
-def pack(fn: Callable[..., Any], strategy: StrategyLike, args: Sequence[Any]) -> bytes:
-    """Pickle what every rank needs, failing before any process starts."""
-    for what, value in (("fn", fn), ("strategy", strategy), ("args", tuple(args))):
-        try:
-            pickle.dumps(value)
+_SPAWN_FIX = (
+    ". Define functions at module level (not lambdas or closures) and pass picklable "
+    "arguments, or start the ranks with torchrun and a strategy that runs in place"
+)
+
+
+def pack(
+    fn: Callable[..., Any],
+    strategy: StrategyLike,
+    args: Sequence[Any],
+    *,
+    dumps: Callable[[object], bytes] = pickle.dumps,
+    to: str = "spawned processes",
+    fix: str = _SPAWN_FIX,
+) -> bytes:
+    """Pickle what every rank needs with ``dumps``, failing before any process starts.
+
+    Raises:
+        LaunchError: something cannot be pickled; the message names the part
+            (``fn``, ``strategy`` or ``args``), where it was to go (``to``) and the ``fix``.
+    """
+    args = tuple(args)
+    whole: object = (fn, strategy, args)
+    try:
+        return bytes(dumps(whole))
+    except Exception as error:
+        what, value, failure = "(fn, strategy, args)", whole, error
+    for name, part in (("fn", fn), ("strategy", strategy), ("args", args)):
+        try:  # name the part that cannot travel
+            dumps(part)
         except Exception as error:
-            raise LaunchError(
-                f"launch: {what} {describe(value)} cannot be sent to spawned processes "
-                f"({type(error).__name__}: {error}). Define functions at module level (not "
-                "lambdas or closures) and pass picklable arguments, or start the ranks "
-                "with torchrun and a strategy that runs in place."
-            ) from None
-    return pickle.dumps((fn, strategy, tuple(args)))
+            what, value, failure = name, part, error
+            break
+    raise LaunchError(
+        f"launch: {what} {describe(value)} cannot be sent to {to} "
+        f"({type(failure).__name__}: {failure}){fix}."
+    ) from None
 
 
 @contextlib.contextmanager
@@ -239,14 +279,8 @@ def rendezvous(timeout: float) -> Iterator[int]:
     """Serve a TCPStore from this process on a socket bound to 127.0.0.1; yield its port."""
     from torch.distributed import TCPStore  # type: ignore[attr-defined]  # exported at run time
 
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(128)
-        port: int = listener.getsockname()[1]
-    except BaseException:
-        listener.close()
-        raise
+    listener = socket.create_server(("127.0.0.1", 0), backlog=128)  # closed if it fails
+    port: int = listener.getsockname()[1]
     # The store takes the listening socket over (and closes it when it is freed).
     store = TCPStore(
         "127.0.0.1",
@@ -283,34 +317,25 @@ def error_message(error: BaseException) -> str:
     try:
         return str(error)
     except Exception as failure:
-        try:
-            shown = repr(error)
-        except Exception:
-            shown = f"<{type(error).__qualname__} object>"
-        return f"{shown} (its __str__ raised {type(failure).__name__}: {_safe_str(failure)})"
+        shown = _shown(functools.partial(repr, error), f"<{type(error).__qualname__} object>")
+        cause = f"{type(failure).__name__}: {_shown(functools.partial(str, failure), '?')}"
+        return f"{shown} (its __str__ raised {cause})"
 
 
-def _safe_str(error: BaseException) -> str:
+def _shown(show: Callable[[], str], otherwise: str) -> str:
+    """Return ``show()``, or ``otherwise`` where that raises: a report must not fail on its text."""
     try:
-        return str(error)
+        return show()
     except Exception:
-        return "?"
+        return otherwise
 
 
 def error_report(error: BaseException) -> tuple[str, str, str, str]:
     """Return ``("error", type name, message, traceback)``: what a rank reports of ``error``."""
     kind = type(error)
-    name = (
-        kind.__qualname__
-        if kind.__module__ == "builtins"
-        else f"{kind.__module__}.{kind.__qualname__}"
-    )
-    message = error_message(error)  # a failing __str__ must not lose the error
-    try:
-        remote = traceback.format_exc()
-    except Exception:
-        remote = ""
-    return ("error", name, message, remote)
+    module = "" if kind.__module__ == "builtins" else f"{kind.__module__}."
+    remote = _shown(traceback.format_exc, "")
+    return ("error", module + kind.__qualname__, error_message(error), remote)
 
 
 def send_error(pipe: Connection, error: BaseException) -> None:
@@ -355,6 +380,9 @@ def death_error(rank: int, process: BaseProcess, grace: float) -> RankError:
     return RankError(rank, exc_type=None, message=f"process {process.pid} {how}", exitcode=code)
 
 
+KILL_WAIT = 10.0  # seconds a killed process gets to be reaped
+
+
 def stop(processes: Sequence[BaseProcess], grace: float) -> None:
     """Let exiting processes finish, terminate the rest, then kill what ignores SIGTERM."""
     deadline = time.monotonic() + grace
@@ -369,8 +397,11 @@ def stop(processes: Sequence[BaseProcess], grace: float) -> None:
     for process in processes:
         if process.is_alive():
             process.kill()
-            process.join()
-        process.close()
+            # Bounded: a process in uninterruptible sleep outlives SIGKILL until the kernel
+            # lets go; the launcher reports and returns rather than hang with it.
+            process.join(KILL_WAIT)
+        if process.exitcode is not None:  # close() refuses a process still running
+            process.close()
 
 
 @attrs.define
@@ -388,28 +419,25 @@ class SpawnedWorld:
     def run(self) -> list[Any]:
         context = multiprocessing.get_context("spawn")
         with forwarding_signals(self.processes) as self.signalled:
-            return self._start_and_collect(context)
-
-    def _start_and_collect(self, context: Any) -> list[Any]:
-        try:
-            for rank in range(self.devices):
-                reader, writer = context.Pipe(duplex=False)
-                process = context.Process(
-                    target=rank_main,
-                    # Plain ints, not an Env: unpickling one would import torch before the
-                    # rank could arm its parent-death signal.
-                    args=(writer, self.payload, rank, self.devices, self.port),
-                    name=f"stratagem-rank-{rank}",
-                )
-                process.start()
-                writer.close()  # the child holds the only writing end: EOF means it is gone
-                self.processes.append(process)
-                self.pipes.append(reader)
-            return self._collect()
-        finally:
-            stop(self.processes, self.options.stop_grace)
-            for pipe in self.pipes:
-                pipe.close()
+            try:
+                for rank in range(self.devices):
+                    reader, writer = context.Pipe(duplex=False)
+                    process = context.Process(
+                        target=rank_main,
+                        # Plain ints, not an Env: unpickling one would import torch before the
+                        # rank could arm its parent-death signal.
+                        args=(writer, self.payload, rank, self.devices, self.port),
+                        name=f"stratagem-rank-{rank}",
+                    )
+                    process.start()
+                    writer.close()  # the child holds the only writing end: EOF means it is gone
+                    self.processes.append(process)
+                    self.pipes.append(reader)
+                return self._collect()
+            finally:
+                stop(self.processes, self.options.stop_grace)
+                for pipe in self.pipes:
+                    pipe.close()
 
     def _collect(self) -> list[Any]:
         """Read every rank's result; raise on the first error or death.
@@ -508,21 +536,14 @@ def first_cause(
         if died is not None:
             return died
         returned.add(other)
-    return returned_early(error, sorted(returned - {error.rank}))
-
-
-def returned_early(error: RankError, finished: list[int]) -> RankError:
-    """Blame the ranks in ``finished``, which returned while ``error``'s rank was in a collective.
-
-    With none finished, ``error`` itself is the cause.
-    """
-    if not finished:
+    blamed = sorted(returned - {error.rank})
+    if not blamed:  # none returned early: the error itself is the cause
         return error
     return RankError(
         error.rank,
         exc_type=error.exc_type,
         message=LEFT_DURING_COLLECTIVE.format(
-            finished=", ".join(map(str, finished)),
+            finished=", ".join(map(str, blamed)),
             rank=error.rank,
             exc_type=error.exc_type,
             message=error.message,
@@ -590,8 +611,7 @@ def rank_main(pipe: Connection, payload: bytes, rank: int, world_size: int, port
         finally:
             torn_down(strategy, ctx)
     except BaseException as error:  # report everything, KeyboardInterrupt included
-        preempted = sys.modules.get("stratagem.preemption")
-        if preempted is not None and isinstance(error, preempted.Preempted):
+        if isinstance(error, Preempted):  # it saved: the parent ends the launch as preempted
             with contextlib.suppress(Exception):  # the parent is gone: nobody to tell
                 send(pipe, ("preempted", error.signum))
         else:

@@ -19,13 +19,15 @@ import re
 import time
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import attrs
-from torch.distributed import Store  # type: ignore[attr-defined]  # exported at run time
 
 from stratagem.errors import CollectiveCallError
 from stratagem.validators import is_number, require
+
+if TYPE_CHECKING:  # not at run time: a spawned rank imports this before it may import torch
+    from torch.distributed import Store  # type: ignore[attr-defined]  # exported at run time
 
 __all__ = [
     "CANNOT_COME",
@@ -144,7 +146,7 @@ def _wait(arrivals: Arrivals, what: str, call: str, rank: int, world_size: int) 
         now = time.monotonic()
         error = None
         if now >= look:
-            error = _cannot_come(arrivals, what, call, rank, world_size)
+            error = _cannot_come(store, what, call, rank, world_size)
             piece = min(piece * 2, _LAST_LOOK)
             look = now + piece
         if error is None and now >= deadline:
@@ -152,7 +154,7 @@ def _wait(arrivals: Arrivals, what: str, call: str, rank: int, world_size: int) 
             if error is None:
                 store.wait([done], timedelta(seconds=arrivals.timeout))  # all came, just late
                 return
-        if error is not None:
+        if error is not None and not store.check([done]):  # unless all came as we looked
             raise error from None
         time.sleep(pause)
         pause = min(pause * 2, _POLL)
@@ -180,9 +182,8 @@ def _last_seen(store: Store, rank: int, world_size: int) -> Iterator[tuple[int, 
 
 
 def _cannot_come(
-    arrivals: Arrivals, what: str, call: str, rank: int, world_size: int
+    store: Store, what: str, call: str, rank: int, world_size: int
 ) -> CollectiveCallError | None:
-    store, done = arrivals.store, _key(call, "all")
     left = store.add(_key("left"), 0) > 0  # one look, and the names only when someone left
     gone, elsewhere = [], []
     for other, last in _last_seen(store, rank, world_size):
@@ -197,7 +198,7 @@ def _cannot_come(
         waiting = store.add(_key(match.group(1)), 0)  # ranks signed in at that call so far
         if 0 < waiting < world_size:
             elsewhere.append(f"rank {other} waits in {last}")
-    if not (gone or elsewhere) or store.check([done]):
+    if not (gone or elsewhere):
         return None
     return CollectiveCallError(
         CANNOT_COME.format(what=what, rank=rank, call=call, reasons="; ".join(gone + elsewhere))
@@ -207,17 +208,14 @@ def _cannot_come(
 def _absent(
     arrivals: Arrivals, what: str, call: str, rank: int, world_size: int
 ) -> CollectiveCallError | None:
-    store, done = arrivals.store, _key(call, "all")
-    if store.check([done]):  # the last rank came just after the deadline
-        return None
     missing, seen = [], []
-    for other, last in _last_seen(store, rank, world_size):
+    for other, last in _last_seen(arrivals.store, rank, world_size):
         if not last.endswith(f"({call})"):
             missing.append(other)
             seen.append(
                 f"rank {other}: last seen at {last}" if last else f"rank {other}: never seen"
             )
-    if not missing or store.check([done]):  # arrived while we looked
+    if not missing:  # the last rank came just after the deadline
         return None
     return CollectiveCallError(
         NOT_CALLED_BY_ALL.format(

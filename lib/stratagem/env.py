@@ -6,10 +6,9 @@ environments without touching ``os.environ``.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Literal, get_args
 
@@ -18,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from stratagem.arrivals import Arrivals
-from stratagem.errors import EnvError, UsageError, describe
+from stratagem.errors import EnvError, UsageError
 from stratagem.validators import (
     a_bool,
     choice,
@@ -26,6 +25,7 @@ from stratagem.validators import (
     instance_of,
     non_negative_int,
     positive_int,
+    refusal,
     require,
 )
 
@@ -101,10 +101,8 @@ def mesh_names(names: object) -> MeshNames:
         return names
     roles = [f.name for f in attrs.fields(MeshNames)]
     if not isinstance(names, Mapping) or not set(names) <= set(roles):
-        raise UsageError(
-            f"'mesh_names' must be a MeshNames or a mapping of roles {roles} to dimension "
-            f"names, e.g. {{'shard': 'dp', 'tp': 'model'}} (got {describe(names)})."
-        )
+        what = f"a MeshNames or a mapping of roles {roles} to dimension names"
+        raise refusal("'mesh_names'", f"{what}, e.g. {{'shard': 'dp', 'tp': 'model'}}", names)
     return MeshNames(**names)
 
 
@@ -185,10 +183,8 @@ class Env:
 
 def _read_only(extras: object) -> Mapping[str, Any]:
     if not isinstance(extras, Mapping) or not all(isinstance(key, str) for key in extras):
-        raise UsageError(
-            f"Context.extras must be a mapping with str keys (got {describe(extras)}); add "
-            "state with ctx.with_extras(name=value)."
-        )
+        hint = "; add state with ctx.with_extras(name=value)"
+        raise refusal("Context.extras", "a mapping with str keys", extras, hint=hint)
     return MappingProxyType(dict(extras))
 
 
@@ -200,36 +196,22 @@ def _as_device(value: object) -> object:
         return value
 
 
-_CONTEXT_ENV = instance_of(
-    "Context.{name}",
-    Env,
-    "an Env",
-    hint="; use detect_env(os.environ), or Env() for a single process",
+_context_field = functools.partial(instance_of, "Context.{name}")
+_USE_AN_ENV = "; use detect_env(os.environ), or Env() for a single process"
+_CONTEXT_ENV = _context_field(Env, "an Env", hint=_USE_AN_ENV)
+_CONTEXT_DEVICE = _context_field(
+    torch.device, "a torch.device or a device string", hint=", e.g. torch.device('cpu') or 'cuda:0'"
 )
-_CONTEXT_DEVICE = instance_of(
-    "Context.{name}",
-    torch.device,
-    "a torch.device or a device string",
-    hint=", e.g. torch.device('cpu') or 'cuda:0'",
+_CONTEXT_GROUP = _context_field(
+    dist.ProcessGroup, "a torch.distributed.ProcessGroup", optional="None (a world of one)"
 )
-_CONTEXT_GROUP = instance_of(
-    "Context.{name}",
-    dist.ProcessGroup,
-    "a torch.distributed.ProcessGroup",
-    optional="None (a world of one)",
-)
-_CONTEXT_CPU_GROUP = instance_of(
-    "Context.{name}",
+_CONTEXT_CPU_GROUP = _context_field(
     dist.ProcessGroup,
     "a torch.distributed.ProcessGroup with a CPU backend",
     optional="None (group carries CPU tensors itself)",
 )
-_CONTEXT_ARRIVALS = instance_of(
-    "Context.{name}",
-    Arrivals,
-    "an Arrivals",
-    optional="None",
-    hint="; the setup that joins the world builds it",
+_CONTEXT_ARRIVALS = _context_field(
+    Arrivals, "an Arrivals", optional="None", hint="; the setup that joins the world builds it"
 )
 
 
@@ -389,10 +371,9 @@ def check_context(ctx: object, function: str) -> Context:
         UsageError: it is not (an `Env`, arguments in the wrong order, ...).
     """
     if not isinstance(ctx, Context):
-        raise UsageError(
-            f"{function}: 'ctx' must be the Context that the strategy's setup returned (got "
-            f"{describe(ctx)}); launch passes it to your function after the strategy."
-        )
+        what = "the Context that the strategy's setup returned"
+        hint = "; launch passes it to your function after the strategy"
+        raise refusal(f"{function}: 'ctx'", what, ctx, hint=hint)
     return ctx
 
 
@@ -403,10 +384,7 @@ def check_env(env: object, function: str) -> Env:
         UsageError: it is not.
     """
     if not isinstance(env, Env):
-        raise UsageError(
-            f"{function}: 'env' must be an Env (got {describe(env)}); use "
-            "detect_env(os.environ), or Env() for a single process."
-        )
+        raise refusal(f"{function}: 'env'", "an Env", env, hint=_USE_AN_ENV)
     return env
 
 
@@ -434,43 +412,17 @@ def _require(environ: Mapping[str, str], names: tuple[str, ...], launcher: str) 
         )
 
 
-@contextlib.contextmanager
-def _restating(environ: Mapping[str, str], names: Sequence[str]) -> Iterator[None]:
-    """Restate a contradiction found inside in terms of the variables of ``names`` that are set."""
-    try:
-        yield
-    except EnvError as error:
-        shown = ", ".join(f"{name}={environ[name]!r}" for name in names if name in environ)
-        raise EnvError(f"contradictory environment ({shown}): {error}") from None
-
-
-def _torchrun(environ: Mapping[str, str]) -> Env:
-    names = ("RANK", "WORLD_SIZE")
-    _require(environ, names, "torchrun")
-    rank, world_size = _int(environ, "RANK"), _int(environ, "WORLD_SIZE")
-    local_rank = _int(environ, "LOCAL_RANK", default=rank)
-    local_world_size = _int(environ, "LOCAL_WORLD_SIZE", default=world_size)
-    node_rank = _int(environ, "GROUP_RANK", default=0)
-    port = _int(environ, "MASTER_PORT", default=29500)
-    with _restating(environ, (*names, "LOCAL_RANK", "LOCAL_WORLD_SIZE")):
-        return Env(
-            rank=rank,
-            local_rank=local_rank,
-            world_size=world_size,
-            local_world_size=local_world_size,
-            node_rank=node_rank,
-            master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=port,
-            source="torchrun",
-            agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
-        )
-
-
 _TASKS_PER_NODE = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
 
 
-def _slurm_tasks_on_node(spec: str, node: int) -> int:
-    """Read SLURM_NTASKS_PER_NODE / SLURM_TASKS_PER_NODE, e.g. ``"4"``, ``"2(x3),1"``."""
+def _slurm_tasks_on_node(environ: Mapping[str, str], node: int, world_size: int) -> int:
+    """Read SLURM_NTASKS_PER_NODE / SLURM_TASKS_PER_NODE, e.g. ``"4"``, ``"2(x3),1"``.
+
+    Without either, every task is on this node: ``world_size``.
+    """
+    spec = environ.get("SLURM_NTASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+    if spec is None:
+        return world_size
     counts: list[int] = []
     for part in spec.split(","):
         match = _TASKS_PER_NODE.match(part.strip())
@@ -511,24 +463,43 @@ def _slurm_first_host(nodelist: str) -> str:
     return prefix if number is None else prefix + number + suffix
 
 
-def _slurm(environ: Mapping[str, str]) -> Env:
-    names = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_NODELIST")
-    _require(environ, names, "SLURM")
-    rank, local_rank = _int(environ, "SLURM_PROCID"), _int(environ, "SLURM_LOCALID")
-    world_size = _int(environ, "SLURM_NTASKS")
-    node_rank = _int(environ, "SLURM_NODEID", default=0)
-    per_node = environ.get("SLURM_NTASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
-    local_world_size = world_size if per_node is None else _slurm_tasks_on_node(per_node, node_rank)
-    if "MASTER_PORT" in environ:
-        port = _int(environ, "MASTER_PORT")
-    elif "SLURM_JOB_ID" in environ:
-        port = _SLURM_PORT_BASE + _int(environ, "SLURM_JOB_ID") % _SLURM_PORT_SPAN
+def _launched(environ: Mapping[str, str], source: Literal["torchrun", "slurm"]) -> Env:
+    """Read the world torchrun or SLURM describes.
+
+    Each value is read first, so a malformed one is named as such; a
+    contradiction the `Env` finds among them is restated in terms of the
+    variables it comes from that are set.
+    """
+    if source == "torchrun":
+        required: tuple[str, ...] = ("RANK", "WORLD_SIZE")
+        _require(environ, required, "torchrun")
+        rank, world_size = _int(environ, "RANK"), _int(environ, "WORLD_SIZE")
+        local_rank = _int(environ, "LOCAL_RANK", default=rank)
+        local_world_size = _int(environ, "LOCAL_WORLD_SIZE", default=world_size)
+        node_rank = _int(environ, "GROUP_RANK", default=0)
+        port = _int(environ, "MASTER_PORT", default=29500)
+        addr = environ.get("MASTER_ADDR", "127.0.0.1")
+        agent_store = environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        shown = (*required, "LOCAL_RANK", "LOCAL_WORLD_SIZE")
     else:
-        raise EnvError(
-            "SLURM environment has neither MASTER_PORT nor SLURM_JOB_ID; set MASTER_PORT."
-        )
-    addr = environ.get("MASTER_ADDR") or _slurm_first_host(environ["SLURM_NODELIST"])
-    with _restating(environ, (*names, "SLURM_NODEID", "SLURM_NTASKS_PER_NODE")):
+        required = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_NODELIST")
+        _require(environ, required, "SLURM")
+        rank, local_rank = _int(environ, "SLURM_PROCID"), _int(environ, "SLURM_LOCALID")
+        world_size = _int(environ, "SLURM_NTASKS")
+        node_rank = _int(environ, "SLURM_NODEID", default=0)
+        local_world_size = _slurm_tasks_on_node(environ, node_rank, world_size)
+        if "MASTER_PORT" in environ:
+            port = _int(environ, "MASTER_PORT")
+        elif "SLURM_JOB_ID" in environ:
+            port = _SLURM_PORT_BASE + _int(environ, "SLURM_JOB_ID") % _SLURM_PORT_SPAN
+        else:
+            raise EnvError(
+                "SLURM environment has neither MASTER_PORT nor SLURM_JOB_ID; set MASTER_PORT."
+            )
+        addr = environ.get("MASTER_ADDR") or _slurm_first_host(environ["SLURM_NODELIST"])
+        agent_store = False  # rank 0 serves the store
+        shown = (*required, "SLURM_NODEID", "SLURM_NTASKS_PER_NODE")
+    try:
         return Env(
             rank=rank,
             local_rank=local_rank,
@@ -537,14 +508,12 @@ def _slurm(environ: Mapping[str, str]) -> Env:
             node_rank=node_rank,
             master_addr=addr,
             master_port=port,
-            source="slurm",
-            agent_store=False,
+            source=source,
+            agent_store=agent_store,
         )
-
-
-def _is_slurm_batch(environ: Mapping[str, str]) -> bool:
-    in_a_job = "SLURM_NTASKS" in environ or "SLURM_PROCID" in environ
-    return in_a_job and environ.get("SLURM_JOB_NAME", "") not in _INTERACTIVE_JOB_NAMES
+    except EnvError as error:
+        values = ", ".join(f"{name}={environ[name]!r}" for name in shown if name in environ)
+        raise EnvError(f"contradictory environment ({values}): {error}") from None
 
 
 def detect_env(environ: Mapping[str, str]) -> Env:
@@ -580,9 +549,10 @@ def detect_env(environ: Mapping[str, str]) -> Env:
         label = f"environment variable {name}"
         require(isinstance(value, str), label, "a str, as in os.environ", value, error=EnvError)
     if "RANK" in environ or "WORLD_SIZE" in environ or "TORCHELASTIC_RUN_ID" in environ:
-        return _torchrun(environ)
-    if _is_slurm_batch(environ):
-        return _slurm(environ)
+        return _launched(environ, "torchrun")
+    in_a_job = "SLURM_NTASKS" in environ or "SLURM_PROCID" in environ
+    if in_a_job and environ.get("SLURM_JOB_NAME", "") not in _INTERACTIVE_JOB_NAMES:
+        return _launched(environ, "slurm")
     return Env()
 
 

@@ -23,6 +23,7 @@ import attrs
 import torch
 
 from stratagem import collectives
+from stratagem._processes import handling
 from stratagem.env import Context, check_context
 from stratagem.errors import REQUEUE, Preempted, UsageError
 from stratagem.validators import refusal
@@ -120,9 +121,5 @@ def on_preemption(signals: Sequence[str | int] = _DEFAULT_SIGNALS) -> Iterator[P
     def handler(signum: int, frame: object) -> None:
         preemption.received = preemption.received or signum
 
-    previous = {number: signal.signal(number, handler) for number in numbers}
-    try:
+    with handling(numbers, handler):
         yield preemption
-    finally:
-        for number, old in previous.items():
-            signal.signal(number, old)

@@ -100,23 +100,19 @@ def check_backend(value: object, argument: str = "backend") -> str | None:
     if value is None:
         return None
     names = _backend_names()
-    forms = (
-        f"None, one of {', '.join(map(repr, names))}, or device:backend pairs such as "
-        "'cpu:gloo,cuda:nccl'"
-    )
+    known = ", ".join(map(repr, names))
+    forms = f"None, one of {known}, or device:backend pairs such as 'cpu:gloo,cuda:nccl'"
     text = value.strip().lower() if isinstance(value, str) else ""
     require(":" in text or text in names, f"'{argument}'", forms, value)
     if ":" not in text:
         return text
-    devices: list[str] = []
-    pairs: list[str] = []
+    pairs: dict[str, str] = {}  # device type -> its backend
     for pair in text.split(","):
         device, _, name = (part.strip() for part in pair.partition(":"))
         if name not in names or not device:
             raise UsageError(
                 f"'{argument}': {pair.strip()!r} in {value!r} is not a device:backend pair "
-                f"with a backend among {', '.join(map(repr, names))}; write e.g. "
-                "'cpu:gloo,cuda:nccl'."
+                f"with a backend among {known}; write e.g. 'cpu:gloo,cuda:nccl'."
             )
         try:
             torch.device(device)
@@ -125,14 +121,13 @@ def check_backend(value: object, argument: str = "backend") -> str | None:
                 f"'{argument}': {device!r} in {value!r} is not a device type; write e.g. "
                 "'cpu:gloo,cuda:nccl'."
             ) from None
-        if device in devices:
+        if device in pairs:
             raise UsageError(
                 f"'{argument}': device {device!r} is mapped twice in {value!r}; give each "
                 "device type one backend."
             )
-        devices.append(device)
-        pairs.append(f"{device}:{name}")
-    return ",".join(pairs)
+        pairs[device] = name
+    return ",".join(f"{device}:{name}" for device, name in pairs.items())
 
 
 def default_backend(device: torch.device) -> str:
@@ -282,8 +277,7 @@ class JoinProcessGroup:
                 timeout=self.timeout,
             )
         finally:
-            if env.world_size > 1:
-                store.set_timeout(self.timeout)  # the store's later users wait as collectives do
+            store.set_timeout(self.timeout)  # the store's later users wait as collectives do
         arrivals = Arrivals(PrefixStore(f"attempt_{attempt}", store), timeout=self.arrival_timeout)
         world = dist.group.WORLD
         assert world is not None  # just initialised

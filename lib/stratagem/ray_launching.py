@@ -50,6 +50,8 @@ from stratagem._processes import (
     error_message,
     error_report,
     first_cause,
+    local_variables,
+    pack,
     prepare_rank,
     ran,
     remote_error,
@@ -57,7 +59,7 @@ from stratagem._processes import (
     torn_down,
 )
 from stratagem.env import detect_env
-from stratagem.errors import LaunchError, RankError, describe
+from stratagem.errors import LaunchError, RankError
 from stratagem.launching import check_field_arguments, in_place
 from stratagem.strategy import StrategyLike
 from stratagem.validators import MAX_SECONDS, field, is_int, positive_number
@@ -85,6 +87,10 @@ _WORKERS = field(
     optional="None (one worker per device)",
 )
 _CPUS = positive_number("ray_launcher({name}=...)", unit="CPUs", at_most=1024)
+_FIX = (
+    "; pass picklable arguments (no open files, locks or sockets), or build them inside the "
+    "function"
+)
 
 
 def _ray() -> Any:
@@ -133,7 +139,7 @@ class RayLaunch:
                 "build ray_launcher() without num_workers to start one worker per device."
             )
         ray = _ray()  # after the checks that need no Ray: a mistake reads the same everywhere
-        payload = _pack(ray, fn, strategy, args)
+        payload = pack(fn, strategy, args, dumps=ray.cloudpickle.dumps, to="Ray workers", fix=_FIX)
         cpus = math.ceil(devices * self.cpus_per_worker)
         with _local_ray(ray, cpus), rendezvous(self.start_timeout) as port:
             return _RayWorld(self, ray, devices, port, payload).run()
@@ -183,26 +189,6 @@ def ray_launcher(
     )
     _ray()  # checked once, at construction, not only when a launch starts
     return launcher
-
-
-def _pack(ray: Any, fn: Callable[..., Any], strategy: StrategyLike, args: Sequence[Any]) -> bytes:
-    """Pickle what every rank needs (cloudpickle), failing before any worker starts."""
-    try:
-        return bytes(ray.cloudpickle.dumps((fn, strategy, tuple(args))))
-    except Exception as error:
-        together: object = (fn, strategy, tuple(args))
-        what, value, failure = "(fn, strategy, args)", together, error
-    for name, part in (("fn", fn), ("strategy", strategy), ("args", tuple(args))):
-        try:
-            ray.cloudpickle.dumps(part)
-        except Exception as error:
-            what, value, failure = name, part, error
-            break
-    raise LaunchError(
-        f"launch: {what} {describe(value)} cannot be sent to Ray workers "
-        f"({type(failure).__name__}: {failure}); pass picklable arguments (no open files, "
-        "locks or sockets), or build them inside the function."
-    ) from None
 
 
 @contextlib.contextmanager
@@ -273,20 +259,6 @@ def _first_line(error: BaseException) -> str:
     return lines[0] if lines else "no message"
 
 
-def _variables(rank: int, world_size: int, port: int) -> dict[str, str]:
-    """Return the variables of ``rank`` in this launch: those torchrun gives its ranks."""
-    return {
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size),
-        "GROUP_RANK": "0",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "TORCHELASTIC_USE_AGENT_STORE": "true",  # the launcher serves the store
-    }
-
-
 @attrs.define
 class _RayWorld:
     """The launcher's view of the actors, for one launch."""
@@ -324,7 +296,7 @@ class _RayWorld:
         self.pids = [None] * self.devices
         path = [entry for entry in sys.path if entry]
         started = {
-            actor.start.remote(_variables(rank, self.devices, self.port), path): rank
+            actor.start.remote(local_variables(rank, self.devices, self.port), path): rank
             for rank, actor in enumerate(self.actors)
         }
         ready, waiting = ray.wait(

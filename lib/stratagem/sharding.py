@@ -41,6 +41,7 @@ from stratagem.validators import (
     non_negative_int,
     positive_int,
     rank_and_world,
+    refusal,
     require,
 )
 
@@ -89,9 +90,7 @@ def _draw(source: Iterable[Any], seed: int, epoch: int) -> list[Any]:
         # A read-only property is left alone: the global generator, seeded below, still serves.
         with contextlib.suppress(AttributeError):
             sampler.generator = seeded  # type: ignore[attr-defined]
-    set_epoch = getattr(sampler, "set_epoch", None)
-    if callable(set_epoch):
-        set_epoch(epoch)
+    _tell_epoch(sampler, epoch)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_epoch_seed(seed, epoch))
         return [_index(index) for index in sampler]
@@ -204,24 +203,23 @@ class ShardSampler:
         return remaining
 
     def __iter__(self) -> Iterator[Any]:
+        order: list[Any] | torch.Tensor
         if self.source is not None:
-            drawn = _drawn_alike(self.source, self.seed, self.epoch)
-            if len(drawn) != self.size:
+            order = _drawn_alike(self.source, self.seed, self.epoch)
+            if len(order) != self.size:
                 raise UsageError(
                     f"shard: the DataLoader's sampler ({type(self.source).__name__}) yielded "
-                    f"{len(drawn)} indices in epoch {self.epoch} but {self.size} before, and "
+                    f"{len(order)} indices in epoch {self.epoch} but {self.size} before, and "
                     "every rank must know its number of batches in advance; make it yield "
                     "the same number every epoch."
                 )
-            kept = drawn[self.start : self.start + self._kept()]
-            return iter(kept[self.rank :: self.world_size])
-        if self.shuffle:
+        elif self.shuffle:
             generator = torch.Generator().manual_seed(_epoch_seed(self.seed, self.epoch))
             order = torch.randperm(self.size, generator=generator)
         else:
             order = torch.arange(self.size)
-        rest = order[self.start : self.start + self._kept()]
-        return iter(rest[self.rank :: self.world_size].tolist())
+        mine = order[self.start : self.start + self._kept()][self.rank :: self.world_size]
+        return iter(mine.tolist() if isinstance(mine, torch.Tensor) else mine)
 
     def __len__(self) -> int:
         return len(range(self.rank, self._kept(), self.world_size))
@@ -261,15 +259,12 @@ class StreamStride:
     def set_epoch(self, epoch: int) -> None:
         """Record the epoch of the next pass and tell the dataset, if it listens."""
         self.epoch = epoch
-        _tell_dataset(self.dataset, self.epoch)
+        _tell_epoch(self.dataset, self.epoch)
 
     def select(self, batches: Iterable[T], skip: int = 0) -> Iterator[T]:
         """Yield this rank's batches of ``batches`` after the first ``skip`` global ones."""
         kept: Any = None
-        for index, batch in enumerate(batches):
-            position = index - skip
-            if position < 0:
-                continue
+        for position, batch in enumerate(itertools.islice(batches, skip, None)):
             if position % self.world_size == self.rank:
                 kept = batch
             if position % self.world_size == self.world_size - 1:
@@ -277,10 +272,11 @@ class StreamStride:
                 kept = None
 
 
-def _tell_dataset(dataset: object, epoch: int) -> None:
-    forward = getattr(dataset, "set_epoch", None)
-    if callable(forward):
-        forward(epoch)
+def _tell_epoch(holder: object, epoch: int) -> None:
+    """Call ``holder.set_epoch(epoch)`` where a sampler or dataset has one."""
+    set_epoch = getattr(holder, "set_epoch", None)
+    if callable(set_epoch):
+        set_epoch(epoch)
 
 
 def _epoch_of(holder: object) -> int | None:
@@ -362,31 +358,26 @@ class ShardedLoader:
     )
     _start: int = attrs.field(default=0, init=False)
     _pass: _Pass | None = attrs.field(default=None, init=False, repr=False)
-    # The epoch each sampler or dataset of the user's held when this loader last looked:
-    # a different one at the next pass is the user's set_epoch. (A ShardSampler or a
+    # The epoch the user's own sampler or dataset held when this loader last looked: a
+    # different one at the next pass is the user's set_epoch. (A ShardSampler or a
     # StreamStride instead holds this loader's next epoch between passes: another is a choice.)
-    _seen: list[int | None] = attrs.field(factory=list, init=False, repr=False)
+    _seen: int | None = attrs.field(default=None, init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        self._seen = [_epoch_of(h) for h in self._holders()]
+        self._seen = _epoch_of(self._holder())
         _mirrored(self, None, self.epoch)
 
-    def _holders(self) -> list[object]:
-        """Return the user's own objects whose ``epoch`` a script may set instead of ours."""
-        if isinstance(self.sampler, DistributedSampler):
-            return [self.sampler]
+    def _holder(self) -> object:
+        """Return the user's own sampler or dataset, whose ``epoch`` a script may set; or None."""
         if isinstance(self.sampler, StreamStride):
-            return [self.sampler.dataset]
-        return [] if self.sampler.source is None else [self.sampler.source]
+            return self.sampler.dataset
+        return self.sampler if isinstance(self.sampler, DistributedSampler) else self.sampler.source
 
     def _choice(self) -> int | None:
         """Take the epoch the user set on the sampler or dataset since the last pass, if any."""
-        choice = None
-        for index, holder in enumerate(self._holders()):
-            held = _epoch_of(holder)
-            if held is not None and held != self._seen[index]:
-                choice = held
-            self._seen[index] = held
+        held = _epoch_of(self._holder())
+        choice = held if held is not None and held != self._seen else None
+        self._seen = held
         ours = isinstance(self.sampler, (ShardSampler, StreamStride))
         if ours and self.sampler.epoch != self.epoch:
             choice = self.sampler.epoch
@@ -437,8 +428,8 @@ class ShardedLoader:
         else:
             self.sampler.epoch = epoch  # not set_epoch: that is the user's choice
             if isinstance(self.sampler, StreamStride):
-                _tell_dataset(self.sampler.dataset, epoch)
-        self._seen = [_epoch_of(h) for h in self._holders()]
+                _tell_epoch(self.sampler.dataset, epoch)
+        self._seen = _epoch_of(self._holder())
 
     def _settle(self, progress: _Pass) -> None:
         """Count the pass: unless the user chose otherwise, the next pass is the next epoch."""
@@ -621,10 +612,8 @@ def shard_loader(loader: Iterable[T], ctx: Context) -> Iterable[T]:
     """
     check_world(check_context(ctx, "shard"), "shard")
     if not isinstance(loader, DataLoader):
-        raise UsageError(
-            f"shard: 'loader' must be a torch DataLoader (got {describe(loader)}); shard other "
-            "iterables yourself, e.g. items[ctx.rank::ctx.world_size]."
-        )
+        hint = "; shard other iterables yourself, e.g. items[ctx.rank::ctx.world_size]"
+        raise refusal("shard: 'loader'", "a torch DataLoader", loader, hint=hint)
     # The ranks of a tensor-parallel group hold parts of one model: they take the same batches.
     rank, world_size = ctx.data_parallel
     check_not_empty(loader)

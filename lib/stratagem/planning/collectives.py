@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -104,14 +104,13 @@ def _bytes(value: object) -> int:
     return 0
 
 
-def _group_size(args: Iterable[object]) -> int:
-    listed = list(args)
-    for arg in listed:
+def _group_size(args: tuple[object, ...]) -> int:
+    for arg in args:
         if isinstance(arg, torch.ScriptObject):  # how a c10d op carries its ProcessGroup
             return dist.ProcessGroup.unbox(arg).size()
         if isinstance(arg, dist.ProcessGroup):
             return arg.size()
-    names = [arg for arg in listed if isinstance(arg, str)]
+    names = [arg for arg in args if isinstance(arg, str)]
     if names:  # a functional collective names its group last (after a reduce op's name)
         # The only way from a functional collective's group name to its group.
         resolve = dist.distributed_c10d._resolve_process_group  # type: ignore[attr-defined]  # noqa: SLF001

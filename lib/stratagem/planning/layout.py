@@ -7,6 +7,8 @@ only, so one place follows torch when they move.
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import torch
 
@@ -46,33 +48,28 @@ def read_layout(module: torch.nn.Module, tp: str = "tp") -> Layout:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, Shard
 
-    units = resharded = 0
-    shard_size = replicas = 1
-    rows = columns = 0
+    groups: list[Any] = []  # FSDP2's groups that hold parameters
+    placements: list[object] = []  # on "tp", of each tensor-parallel linear layer's weight
     tp_size = 1
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
             group = sub._get_fsdp_state()._fsdp_param_group  # noqa: SLF001  # FSDP2's group
             if group is not None:
-                units += 1
-                resharded += group.post_forward_mesh_info is not None
-                shard_size = getattr(group.mesh_info, "shard_mesh_size", 1)
-                replicas = getattr(group.mesh_info, "replicate_mesh_size", 1)
+                groups.append(group)
         weight = getattr(sub, "weight", None)
         if isinstance(sub, torch.nn.Linear) and isinstance(weight, DTensor):
             names = weight.device_mesh.mesh_dim_names or ()
             if tp in names:
                 dim = names.index(tp)
                 tp_size = weight.device_mesh.size(dim)
-                placement = weight.placements[dim]
-                rows += placement == Shard(1)
-                columns += placement == Shard(0)
+                placements.append(weight.placements[dim])
+    mesh = groups[-1].mesh_info if groups else None  # the last group's, as for tp_size
     return Layout(
-        fsdp_units=units,
-        resharded_units=resharded,
-        shard_size=shard_size,
-        replicas=replicas,
-        row_splits=rows,
-        column_splits=columns,
+        fsdp_units=len(groups),
+        resharded_units=sum(group.post_forward_mesh_info is not None for group in groups),
+        shard_size=getattr(mesh, "shard_mesh_size", 1),
+        replicas=getattr(mesh, "replicate_mesh_size", 1),
+        row_splits=placements.count(Shard(1)),
+        column_splits=placements.count(Shard(0)),
         tp_size=tp_size,
     )
