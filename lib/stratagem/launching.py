@@ -33,7 +33,7 @@ from stratagem.errors import CombinatorError, LaunchError, UsageError
 from stratagem.strategy import Strategy, StrategyLike, not_a_strategy
 from stratagem.validators import MAX_SECONDS, is_int, positive_number, require
 
-__all__ = ["Spawn", "check_field_arguments", "in_place", "launch", "spawned"]
+__all__ = ["Spawn", "SpawnVariant", "check_field_arguments", "in_place", "launch", "spawned"]
 
 R = TypeVar("R")
 
@@ -213,3 +213,32 @@ def spawned(strategy: Strategy, start: Spawn | None = None) -> Strategy:
             "before spawned() was applied, with the Spawn you want."
         )
     return attrs.evolve(strategy, name=f"{strategy.name}_spawn", launch=start)
+
+
+@attrs.frozen
+class SpawnVariant:
+    """A factory's ``_spawn`` variant: ``ddp_spawn(**options)`` is ``spawned(ddp(**options))``.
+
+    ``ddp_spawn``, ``fsdp_spawn`` and ``allreduce_grads_spawn`` are this
+    record around their built-in: one field substituted, stated once.
+
+    Attributes:
+        factory: the built-in whose strategies the variant spawns.
+
+    Example:
+        >>> import stratagem as sg
+        >>> sg.ddp_spawn(bucket_cap_mb=8) == sg.spawned(sg.ddp(bucket_cap_mb=8))
+        True
+        >>> sg.fsdp_spawn(start=sg.Spawn(stop_grace=1)).launch
+        Spawn(stop_grace=1, exit_timeout=30.0, store_timeout=300.0)
+    """
+
+    factory: Callable[..., Strategy]
+
+    @property
+    def __name__(self) -> str:  # what an error names when the variant is passed uncalled
+        return f"{getattr(self.factory, '__name__', 'factory')}_spawn"
+
+    def __call__(self, *, start: Spawn | None = None, **options: Any) -> Strategy:
+        """Return ``spawned(factory(**options), start)``."""
+        return spawned(self.factory(**options), start)

@@ -23,14 +23,14 @@ sharding, checkpoints, teardown) is ``ddp()``'s own.
 
 from __future__ import annotations
 
-from typing import Any, Unpack
+from typing import Unpack
 
 import attrs
 import torch
 
 from stratagem import training
 from stratagem.env import Context
-from stratagem.launching import Spawn, spawned
+from stratagem.launching import SpawnVariant
 from stratagem.process_group import WorldOptions
 from stratagem.replicas import copy_rank0
 from stratagem.strategies.allreduce_buckets import COMPRESSIONS, Compression
@@ -141,12 +141,5 @@ def allreduce_grads(
     )
 
 
-def allreduce_grads_spawn(*, start: Spawn | None = None, **options: Any) -> Strategy:
-    """Return ``spawned(allreduce_grads(**options), start)``: ranks spawned on this host.
-
-    Example:
-        >>> import stratagem as sg
-        >>> sg.allreduce_grads_spawn(bucket_mb=8) == sg.spawned(sg.allreduce_grads(bucket_mb=8))
-        True
-    """
-    return spawned(allreduce_grads(**options), start)
+allreduce_grads_spawn = SpawnVariant(allreduce_grads)
+"""``spawned(allreduce_grads(**options), start)``: ranks spawned on this host."""

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from stratagem import training
 from stratagem.env import Context, check_context
 from stratagem.errors import UsageError
-from stratagem.launching import Spawn, spawned
+from stratagem.launching import SpawnVariant
 from stratagem.process_group import WorldOptions, is_simulated, join_world, leave_process_group
 from stratagem.replicas import MB, broadcast_tensors, check_writable
 from stratagem.sharding import shard_loader
@@ -244,12 +244,5 @@ def ddp(
     )
 
 
-def ddp_spawn(*, start: Spawn | None = None, **options: Any) -> Strategy:
-    """Return ``spawned(ddp(**options), start)``: `ddp` with ranks spawned on this host.
-
-    Example:
-        >>> import stratagem as sg
-        >>> sg.ddp_spawn(bucket_cap_mb=8) == sg.spawned(sg.ddp(bucket_cap_mb=8))
-        True
-    """
-    return spawned(ddp(**options), start)
+ddp_spawn = SpawnVariant(ddp)
+"""``spawned(ddp(**options), start)``: `ddp` with ranks spawned on this host."""

@@ -24,7 +24,7 @@ from stratagem import training
 from stratagem.env import Context, MeshNames, check_context
 from stratagem.env import mesh_names as env_mesh_names
 from stratagem.errors import UsageError
-from stratagem.launching import Spawn, spawned
+from stratagem.launching import SpawnVariant
 from stratagem.meshes import JoinMesh, ShardSize
 from stratagem.process_group import JoinProcessGroup, WorldOptions
 from stratagem.strategies.ddp import ddp
@@ -165,14 +165,8 @@ def fsdp(
     )
 
 
-def fsdp_spawn(*, start: Spawn | None = None, **options: Any) -> Strategy:
-    """Return ``spawned(fsdp(**options), start)``: `fsdp` with ranks spawned on this host.
-
-    Example:
-        >>> fsdp_spawn(shard_size=2) == spawned(fsdp(shard_size=2))
-        True
-    """
-    return spawned(fsdp(**options), start)
+fsdp_spawn = SpawnVariant(fsdp)
+"""``spawned(fsdp(**options), start)``: `fsdp` with ranks spawned on this host."""
 
 
 def hsdp(*, replicate: int, shard: int, **options: Any) -> Strategy:
