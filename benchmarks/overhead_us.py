@@ -21,6 +21,12 @@ does the same work:
   timed and recorded by hand, to the same sink), and clipping over
   accumulation over ``ddp`` (by hand under ``DistributedDataParallel.no_sync``).
 
+Both loops of a case drive the same module and optimizer: the strategy's wrap
+of one model, which is the module itself or the torch wrapper the hand-written
+loop would build (checked), so the only difference timed is the code each loop
+runs. (Two copies of a model allocated apart differ by a percent or two in
+step time, as much as the overhead measured.)
+
 Each case is the median added time per step (stratagem - plain, per round)
 and the median ratio, with a 95 % bootstrap interval of each median (in the
 notes); an A/A case (the plain loop against a second copy of it) shows what
@@ -38,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -323,19 +330,36 @@ def summarise(
     return dataclasses.replace(case, notes="; ".join(parts))
 
 
+def prepared(contender: Contender, strategy: sg.Strategy, ctx: sg.Context) -> torch.nn.Module:
+    """The module both loops train: the strategy's wrap of one ``build()``, checked to be what
+    the hand-written loop would wrap by hand (the module itself, or the same torch wrapper).
+    """
+    torch.manual_seed(0)
+    model = strategy.wrap(contender.build(), ctx)
+    by_hand = contender.by_hand(contender.build(), ctx)
+    if type(model) is not type(by_hand):
+        wrapped, written = type(model).__name__, type(by_hand).__name__
+        raise AssertionError(f"{contender.name}: wrap gave a {wrapped}, by hand a {written}")
+    return model
+
+
 def measure(contender: Contender, rounds: int, *, control: bool = False) -> list[Case]:
-    """Time ``contender`` against its hand-written loop (and, with ``control``, plain vs plain)."""
+    """Time ``contender`` against its hand-written loop (and, with ``control``, plain vs plain).
+
+    Both loops drive the same module and optimizer: models allocated apart differ in step
+    time by a percent or two (where their tensors fall in memory), as much as the overhead
+    measured here, so only the code each loop runs differs.
+    """
+    # The last case's modules freed: a DDP module kept alive by its reference cycles until
+    # a collection would make every later step look for it (a program without ddp does not).
+    gc.collect()
     strategy = contender.strategy()
     ctx = strategy.setup(sg.Env())
     try:
-        ours, plain, again = steps.contenders(
-            strategy,
-            ctx,
-            contender.build,
-            wrap_by_hand=lambda module: contender.by_hand(module, ctx),
-            write_step=contender.write_step,
-            write_ours=contender.write_ours,
-        )
+        model = prepared(contender, strategy, ctx)
+        optimizer = steps.sgd(model)
+        ours = contender.write_ours(strategy, ctx, model, optimizer)
+        plain = contender.write_step(model, optimizer, ctx.device)
         batch = steps.random_batch(BATCH, FEATURES, FEATURES)
 
         def block(step: steps.Step) -> Callable[[], float]:
@@ -354,6 +378,7 @@ def measure(contender: Contender, rounds: int, *, control: bool = False) -> list
             )
         ]
         if control:
+            again = contender.write_step(model, optimizer, ctx.device)
             again_times, plain_times = interleave(block(again), block(plain), rounds=rounds)
             label = f"{contender.name}: A/A control, plain vs plain"
             cases.append(summarise(label, again_times, plain_times))
@@ -381,6 +406,7 @@ def run(quick: bool = False) -> Result:
             "optimizer": "SGD(lr=1e-4)",
             "loss": "mse",
             "world": "in-process; distributed built-ins on a one-rank gloo group",
+            "models": "one per case, driven by both loops",
             "accumulate_every": EVERY,
             "max_norm": MAX_NORM,
             "clock": "process CPU time",

@@ -35,6 +35,7 @@ __all__ = [
     "check_optimizer_holds",
     "check_update",
     "mark_inside_a_wrapper",
+    "module_refusal",
     "move_batch",
     "move_to_device",
     "no_sync",
@@ -51,9 +52,14 @@ def check_module(module: object, function: str) -> torch.nn.Module:
         UsageError: it is not (arguments in the wrong order, an optimizer, ...).
     """
     if not isinstance(module, torch.nn.Module):
-        hint = "; pass the module that wrap returned"
-        raise refusal(f"{function}: 'module'", "a torch.nn.Module", module, hint=hint)
+        raise module_refusal(module, function)
     return module
+
+
+def module_refusal(module: object, function: str) -> Exception:
+    """Return the error `check_module` raises, for a caller that tests ``isinstance`` itself."""
+    hint = "; pass the module that wrap returned"
+    return refusal(f"{function}: 'module'", "a torch.nn.Module", module, hint=hint)
 
 
 def check_loss(loss: object, function: str) -> torch.Tensor:
@@ -350,7 +356,9 @@ def update(optimizer: torch.optim.Optimizer, module: torch.nn.Module, ctx: Conte
     Raises:
         UsageError: as `check_update`.
     """
-    check_update(optimizer, module, ctx)
+    last_optimizer, last_module = _HELD_PAIR  # the trusted pair, tested here: a call saved a step
+    if not (last_optimizer() is optimizer and last_module() is module and ctx.__class__ is Context):
+        check_update(optimizer, module, ctx)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
