@@ -17,6 +17,7 @@ from stratagem.arrivals import arrive
 from stratagem.env import Context, check_context, host_group
 from stratagem.errors import UsageError
 from stratagem.fields import REDUCE_OPS, ReduceOp
+from stratagem.parts import gather_objects
 from stratagem.validators import is_int, refusal, require
 
 __all__ = [
@@ -273,15 +274,6 @@ def broadcast(obj: Any, ctx: Context, *, src: int = 0) -> Any:
         data = torch.empty(shape, dtype=_WIRE_DTYPES.get(dtype, dtype), device=ctx.device)
     dist.broadcast(data, src=src, group=group_for(data, ctx))
     return data.to(dtype)
-
-
-def gather_objects(obj: Any, ctx: Context) -> list[Any]:
-    """Return every rank's picklable ``obj``, rank 0's first (over the CPU: `host_group`)."""
-    if not is_distributed(ctx):
-        return [obj]
-    everyone: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(everyone, obj, group=host_group(ctx))
-    return everyone
 
 
 def expect_everyone(ctx: Context, what: str, *, series: str = "") -> None:

@@ -20,6 +20,7 @@ the two apart. A layer class may say two things about itself, as class attribute
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -91,7 +92,6 @@ def repointed(field: Any, fields: Mapping[str, Any]) -> Any:
     layer holds the record's own field), so a record compares equal to itself.
     """
     layers, base = peel(field)
-    changed = False
     out = []
     for layer in layers:
         swaps = {
@@ -99,8 +99,5 @@ def repointed(field: Any, fields: Mapping[str, Any]) -> Any:
             for name in held(layer)
             if name in fields and getattr(layer, name) is not fields[name]
         }
-        if swaps:
-            layer = attrs.evolve(layer, **swaps)
-            changed = True
-        out.append(layer)
-    return rebased(out, base) if changed else field
+        out.append(attrs.evolve(layer, **swaps) if swaps else layer)
+    return rebased(out, base) if any(map(operator.is_not, out, layers)) else field

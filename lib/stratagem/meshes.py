@@ -105,11 +105,8 @@ def mesh_dims(
             f"hsdp: replicate={replicate} x shard={size} is {replicate * size} ranks, but the "
             f"world has {data} data-parallel ranks; choose sizes whose product is {data}."
         )
-    dims: tuple[tuple[str, int], ...] = (
-        ((names.shard, data),)
-        if size == data
-        else ((names.replicate, data // size), (names.shard, size))
-    )
+    replicated = ((names.replicate, data // size),) if size < data else ()
+    dims = (*replicated, (names.shard, size))
     if expert_parallel > 1:
         dims = _split_experts(dims, expert_parallel, context_parallel, names)
     parallel = ((names.cp, context_parallel), (names.tp, tensor_parallel))
@@ -167,9 +164,8 @@ def device_mesh(
     dims = mesh_dims(
         ctx.env, shard_size, tensor_parallel, None, names, context_parallel, expert_parallel
     )
-    return init_device_mesh(
-        ctx.device.type, tuple(n for _, n in dims), mesh_dim_names=tuple(d for d, _ in dims)
-    )
+    dim_names, shape = zip(*dims, strict=True)
+    return init_device_mesh(ctx.device.type, shape, mesh_dim_names=dim_names)
 
 
 def flattened_data_mesh(mesh: DeviceMesh, names: MeshNames, beside: str) -> DeviceMesh:

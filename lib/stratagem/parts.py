@@ -24,7 +24,7 @@ import torch
 if TYPE_CHECKING:
     from stratagem.env import Context
 
-__all__ = ["Part", "everyones", "everyones_ties", "hold_part", "part_of"]
+__all__ = ["Part", "everyones", "everyones_ties", "gather_objects", "hold_part", "part_of"]
 
 
 @attrs.frozen
@@ -69,27 +69,31 @@ def part_of(module: torch.nn.Module) -> Part | None:
     return found[1]
 
 
-def _everyone(mine: Any, ctx: Context) -> list[Any]:
-    """Return every rank's picklable ``mine`` in rank order (``[mine]`` on a world of one)."""
+def gather_objects(obj: Any, ctx: Context) -> list[Any]:
+    """Return every rank's picklable ``obj``, rank 0's first (over the CPU: `host_group`).
+
+    ``[obj]`` on a world of one. Here, below the collectives, so that this
+    module can gather too; `stratagem.collectives` re-exports it.
+    """
     if ctx.group is None or ctx.world_size == 1:
-        return [mine]
+        return [obj]
     import torch.distributed as dist
 
     from stratagem.env import host_group
 
     everyone: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(everyone, mine, group=host_group(ctx))
+    dist.all_gather_object(everyone, obj, group=host_group(ctx))
     return everyone
 
 
 def everyones(mine: Iterable[str], ctx: Context) -> set[str]:
     """Return the union over every rank of ``mine`` (the keys each rank's parts hold)."""
-    return {key for theirs in _everyone(sorted(mine), ctx) for key in theirs}
+    return {key for theirs in gather_objects(sorted(mine), ctx) for key in theirs}
 
 
 def everyones_ties(mine: dict[str, dict[str, str]], ctx: Context) -> dict[str, dict[str, str]]:
     """Return every rank's tied keys (``{entry: {alias: original}}``) merged: parts differ."""
-    everyone = _everyone(mine, ctx)
+    everyone = gather_objects(mine, ctx)
     if len(everyone) == 1:
         return mine
     merged: dict[str, dict[str, str]] = {}

@@ -47,15 +47,13 @@ def outermost_picks(
     Raises:
         UsageError: ``policy`` returned something other than True or False.
     """
-    picked: list[str] = []
-    found: list[torch.nn.Module] = []
+    picked: dict[str, torch.nn.Module] = {}
     for name, child in module.named_modules():
         if not name or any(name.startswith(f"{p}.") for p in picked):
             continue
         if decision(policy, child, who, name):
-            picked.append(name)
-            found.append(child)
-    return found
+            picked[name] = child
+    return list(picked.values())
 
 
 def check_strategy(strategy: object, combinator: str) -> Strategy:

@@ -22,7 +22,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from stratagem.collectives import expect_everyone
+from stratagem.collectives import expect_everyone, gather_objects, is_distributed
 from stratagem.combinators._base import check_once, check_strategy
 from stratagem.env import Context, check_context, host_group
 from stratagem.errors import CollectiveMismatchError
@@ -122,13 +122,7 @@ def _agree(fingerprint: Fingerprint, ctx: Context, sites: bool) -> None:
     if largest == -negated_smallest:
         return
     # Every rank saw the same digests, so every rank takes this path: no one is left waiting.
-    fingerprints: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(fingerprints, fingerprint, group=host_group(ctx))
-    raise _mismatch(fingerprints)
-
-
-def _distributed(ctx: Context, function: str) -> bool:
-    return check_context(ctx, function).group is not None and ctx.world_size > 1
+    raise _mismatch(gather_objects(fingerprint, ctx))
 
 
 def _described(tensor: object) -> tuple[tuple[int, ...] | None, str | None]:
@@ -147,7 +141,7 @@ class CheckedReduce:
     def __call__(self, tensor: torch.Tensor, op: ReduceOp, ctx: Context) -> torch.Tensor:
         if ctx.__class__ is Context and ctx.group is None:  # one rank agrees with itself
             return self.inner(tensor, op, ctx)
-        if _distributed(ctx, "reduce"):
+        if is_distributed(check_context(ctx, "reduce")):
             fingerprint = Fingerprint("reduce", str(op), *_described(tensor), _call_site())
             _agree(fingerprint, ctx, self.compare_sites)
         return self.inner(tensor, op, ctx)
@@ -161,7 +155,7 @@ class CheckedGather:
     compare_sites: bool = True
 
     def __call__(self, tensor: torch.Tensor, ctx: Context) -> torch.Tensor:
-        if _distributed(ctx, "gather"):
+        if is_distributed(check_context(ctx, "gather")):
             fingerprint = Fingerprint("gather", "", *_described(tensor), _call_site())
             _agree(fingerprint, ctx, self.compare_sites)
         return self.inner(tensor, ctx)
@@ -179,7 +173,7 @@ class CheckedBroadcast:
     compare_sites: bool = True
 
     def __call__(self, obj: Any, ctx: Context, *, src: int = 0) -> Any:
-        if _distributed(ctx, "broadcast"):
+        if is_distributed(check_context(ctx, "broadcast")):
             fingerprint = Fingerprint("broadcast", f"src={src}", None, None, _call_site())
             _agree(fingerprint, ctx, self.compare_sites)
         return self.inner(obj, ctx, src=src)
@@ -193,7 +187,7 @@ class CheckedBarrier:
     compare_sites: bool = True
 
     def __call__(self, ctx: Context) -> None:
-        if _distributed(ctx, "barrier"):
+        if is_distributed(check_context(ctx, "barrier")):
             _agree(Fingerprint("barrier", "", None, None, _call_site()), ctx, self.compare_sites)
         self.inner(ctx)
 

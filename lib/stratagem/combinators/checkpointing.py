@@ -70,10 +70,9 @@ class CheckpointWrap:
 def _op(name: str) -> Any:
     """Return the op overload called ``name`` (``"aten.mm.default"``)."""
     found: Any = torch.ops
+    # No early exit: past a missing part, found is None or an attribute of None, never an op.
     for part in name.split("."):
         found = getattr(found, part, None)
-        if found is None:
-            break
     if type(found).__name__ != "OpOverload":
         raise UsageError(
             f"with_activation_checkpointing: save names {name!r}, which is not an op overload "

@@ -73,17 +73,10 @@ def sequence_positions(length: int, rank: int, size: int, load_balance: bool) ->
         >>> sequence_positions(8, 1, 2, load_balance=False).tolist()
         [4, 5, 6, 7]
     """
-    if not load_balance:
-        share = length // size
-        return torch.arange(rank * share, (rank + 1) * share)
-    chunk = length // (2 * size)
-    head, tail = rank, 2 * size - 1 - rank
-    return torch.cat(
-        [
-            torch.arange(head * chunk, (head + 1) * chunk),
-            torch.arange(tail * chunk, (tail + 1) * chunk),
-        ]
-    )
+    # The chunks the rank holds: head and tail of 2 * size, or one of size.
+    held = (rank, 2 * size - 1 - rank) if load_balance else (rank,)
+    chunk = length // (size * len(held))
+    return torch.cat([torch.arange(index * chunk, (index + 1) * chunk) for index in held])
 
 
 def _gather(tensor: torch.Tensor, group: Any) -> torch.Tensor:

@@ -210,7 +210,7 @@ class ExpertParallelWrap:
     in_reference: ClassVar[bool] = False  # it distributes: the reference runs every expert
 
     def __call__(self, module: torch.nn.Module, ctx: Context) -> torch.nn.Module:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         require(isinstance(module, torch.nn.Module), "wrap: 'module'", "a torch.nn.Module", module)
         mesh, names = mesh_with(ctx, "ep", "wrap", "expert_parallel")
@@ -223,13 +223,11 @@ class ExpertParallelWrap:
         copy_rank0(module, ctx)  # every group splits the same experts
         ep = mesh[names.ep]
         state = precision_of(ctx)
-        policy = None if state is None else state.fsdp_policy()
-        options: dict[str, Any] = {"mesh": mesh[names.shard]}
-        if policy is not None:
-            options["mp_policy"] = policy
+        # The run's precision's policy; without one, fully_shard's own default.
+        policy = (None if state is None else state.fsdp_policy()) or MixedPrecisionPolicy()
         for experts_module in picked:
             count = _split_experts(experts_module, ep)
-            fully_shard(experts_module, **options)
+            fully_shard(experts_module, mesh=mesh[names.shard], mp_policy=policy)
             # After FSDP's hooks: FSDP sees the experts' own output, not the tokens sent back.
             dispatch = _Dispatch(ep.get_group(), ep.size(), count)
             experts_module.register_forward_pre_hook(dispatch.before)

@@ -353,10 +353,7 @@ class Traced:
             raise
         finally:
             duration = time.perf_counter() - start
-            tensors = [
-                *tensors_in(args),
-                *tensors_in([v for k, v in kwargs.items() if k != "forward"]),
-            ]
+            tensors = list(tensors_in((args, [v for k, v in kwargs.items() if k != "forward"])))
             self.sink(
                 TraceEvent(
                     field=self.field,

@@ -16,6 +16,7 @@ import torch
 from torch.nn.parallel import DataParallel
 
 from stratagem import training
+from stratagem.devices import cuda_device_count
 from stratagem.env import Context, Env
 from stratagem.errors import UsageError, describe
 from stratagem.strategies.single import check_one_process, single_device
@@ -45,10 +46,10 @@ class UseDataParallelDevices:
 
     def __call__(self, env: Env) -> Context:
         check_one_process(env, "dp() drives every GPU from one process")
+        count = cuda_device_count()
         if self.device_ids is None:
-            device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+            device = torch.device("cuda", 0) if count else torch.device("cpu")
             return Context(env=env, device=device)
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         missing = [i for i in self.device_ids if i >= count]
         if missing:
             raise UsageError(
@@ -107,11 +108,10 @@ def dp(*, device_ids: Sequence[int] | None = None) -> Strategy:
         >>> sorted(model.state_dict()), sorted(sg.unwrap(model).state_dict())
         (['module.bias', 'module.weight'], ['bias', 'weight'])
     """
-    ids = _device_ids(device_ids)
     # Replicas' gradients are summed in backward: no_sync has nothing to defer, as on one device.
     return attrs.evolve(
         single_device(),
         name="dp",
-        setup=UseDataParallelDevices(ids),
-        wrap=WrapDataParallel(ids),
+        setup=UseDataParallelDevices(device_ids),  # each converter checks device_ids
+        wrap=WrapDataParallel(device_ids),
     )

@@ -13,7 +13,7 @@ teardown are ``ddp()``'s. docs/pipeline.md explains why a pipeline's
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Unpack, cast
+from typing import Any, TypeGuard, Unpack, cast
 
 import attrs
 
@@ -115,12 +115,9 @@ class JoinPipeline:
 
         replicas, size = self.shape(check_env(env, "setup"))  # before joining: fail fast
         ctx = self.join(env)
-        pp, replicate = self.names.pp, self.names.replicate
-        if replicas == 1:
-            mesh = init_device_mesh(ctx.device.type, (size,), mesh_dim_names=(pp,))
-        else:
-            shape, names = (replicas, size), (replicate, pp)
-            mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
+        replicated = ((self.names.replicate, replicas),) if replicas > 1 else ()
+        names, shape = zip(*replicated, (self.names.pp, size), strict=True)
+        mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
         return ctx.with_extras(mesh=mesh, mesh_names=self.names)
 
 
@@ -144,15 +141,12 @@ def _check_split(stages: object, schedule: str) -> Split:
     return tuple(tuple(paths) for paths in stages)
 
 
-def _is_sequence(value: object) -> bool:
+def _is_sequence(value: object) -> TypeGuard[Sequence[Any]]:
     return isinstance(value, Sequence) and not isinstance(value, str) and len(value) > 0
 
 
 def _is_paths(stages: object) -> bool:
-    if not _is_sequence(stages):
-        return False
-    assert isinstance(stages, Sequence)
-    return all(
+    return _is_sequence(stages) and all(
         _is_sequence(paths) and all(isinstance(p, str) and p for p in paths) for paths in stages
     )
 
