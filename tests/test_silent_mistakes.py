@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import gc
 import timeit
 from collections.abc import Iterator
 from pathlib import Path
@@ -190,6 +191,43 @@ def test_a_pair_trusted_before_ddp_wrapped_its_module_is_checked_again(ddp_world
     strategy.wrap(model, ctx)
     with pytest.raises(sg.UsageError, match=r"^update: 'module' is the Linear from before"):
         strategy.update(optimizer, model, ctx)
+
+
+def test_no_optimizer_and_no_module_are_refused_after_the_trusted_pair_died() -> None:
+    # An empty or dead trust slot must not match None: update(None, None, ctx) stepped None.
+    plain = sg.single_device("cpu")
+    ctx = plain.setup(sg.Env())
+    model = torch.nn.Linear(3, 2)
+    plain.update(torch.optim.SGD(model.parameters(), lr=0.1), model, ctx)  # trusted, then dead
+    del model
+    gc.collect()
+    for strategy in (plain, sg.accumulate(plain, 2)):
+        with pytest.raises(sg.UsageError, match=r"^update: 'optimizer' must be"):
+            strategy.update(None, None, strategy.setup(sg.Env()))
+
+
+@pytest.mark.parametrize(
+    "combine",
+    [
+        lambda s: s,
+        lambda s: sg.with_clipping(s, max_norm=1.0),
+        lambda s: sg.with_precision(s, "16-true"),
+    ],
+    ids=["fsdp", "clipped", "16-true"],
+)
+def test_an_optimizer_built_before_fsdp_wrap_gets_fsdps_message_under_layers(combine) -> None:
+    strategy = combine(sg.fsdp(device="cpu"))
+    ctx = strategy.setup(sg.Env())  # a world of one in this process: a real gloo group
+    try:
+        model = torch.nn.Linear(3, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # before wrap
+        wrapped = strategy.wrap(model, ctx)
+        loss = strategy.step(wrapped, torch.ones(4, 3), ctx, forward=loss_of)
+        strategy.backward(loss, wrapped, ctx)
+        with pytest.raises(sg.UsageError, match=r"^update: the optimizer holds a parameter that"):
+            strategy.update(optimizer, wrapped, ctx)
+    finally:
+        strategy.teardown(ctx)
 
 
 def test_ddp_step_accepts_the_wrapped_module_under_combinators(ddp_world) -> None:

@@ -215,7 +215,7 @@ def spawned(strategy: Strategy, start: Spawn | None = None) -> Strategy:
     return attrs.evolve(strategy, name=f"{strategy.name}_spawn", launch=start)
 
 
-@attrs.frozen
+@attrs.frozen(repr=False)
 class SpawnVariant:
     """A factory's ``_spawn`` variant: ``ddp_spawn(**options)`` is ``spawned(ddp(**options))``.
 
@@ -238,6 +238,9 @@ class SpawnVariant:
     @property
     def __name__(self) -> str:  # what an error names when the variant is passed uncalled
         return f"{getattr(self.factory, '__name__', 'factory')}_spawn"
+
+    def __repr__(self) -> str:
+        return self.__name__
 
     def __call__(self, *, start: Spawn | None = None, **options: Any) -> Strategy:
         """Return ``spawned(factory(**options), start)``."""

@@ -117,8 +117,15 @@ _HOLDS: weakref.WeakKeyDictionary[Any, weakref.WeakSet[torch.nn.Module]] = (
 )
 
 
-def _dead() -> None:
-    return None
+_NO_ONE = object()  # what an empty slot names: never an argument, unlike None
+
+
+def _dead() -> object:
+    return _NO_ONE
+
+
+def _forget(_: object) -> None:
+    _HELD_PAIR[:] = [_dead, _dead]  # a dead reference returns None, which a caller may pass
 
 
 # Weak references of the last (optimizer, module) pair whose update passed every check
@@ -169,8 +176,9 @@ def check_update(optimizer: Any, module: object, ctx: object, function: str = "u
     """Check an update's arguments once per (optimizer, module) pair; then trust them.
 
     Every layer of an update calls this first, so the checks run where the
-    arguments enter and cost the outermost layer two dereferences per step
-    once the loop's pair is known; inner layers find the pair known too.
+    arguments enter and cost two dereferences per step once the loop's pair
+    is known. An `OptimizerHook` (a layer's view, new every step) is never
+    trusted: a layer under one checks it in full.
 
     Raises:
         UsageError: ``optimizer`` cannot step, ``ctx`` is not a `Context`,
@@ -187,7 +195,7 @@ def check_update(optimizer: Any, module: object, ctx: object, function: str = "u
     check_optimizer_holds(optimizer, module, function)
     if not isinstance(optimizer, OptimizerHook):  # a hook is made anew for every update
         with contextlib.suppress(TypeError):  # no weak references: checked every time
-            _HELD_PAIR[:] = [weakref.ref(optimizer), weakref.ref(module)]
+            _HELD_PAIR[:] = [weakref.ref(optimizer, _forget), weakref.ref(module, _forget)]
 
 
 UNWRAPPED_UNDER_DDP = (

@@ -289,7 +289,13 @@ def blob_paths(
         for path in held
         if (len(path) == 1 and kinds.get(path[0]) in ("object", "value"))
         or (
-            len(path) == 2 and path[0] in per_rank and path[1].isdecimal() and int(path[1]) in ranks
+            # A rank as written: ASCII digits, few of them (int() of a crafted 5,000 digits raises).
+            len(path) == 2
+            and path[0] in per_rank
+            and path[1].isascii()
+            and path[1].isdigit()
+            and len(path[1]) <= 9
+            and int(path[1]) in ranks
         )
     }
 

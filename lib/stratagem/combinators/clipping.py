@@ -12,14 +12,14 @@ import attrs
 import torch
 
 from stratagem.combinators._base import check_once, check_strategy
-from stratagem.env import Context, Env
+from stratagem.env import Context, Env, check_context
 from stratagem.errors import UsageError
 from stratagem.fields import SetupFn, UpdateFn
 from stratagem.optimizer_hooks import OptimizerHook, root_optimizer
 from stratagem.parts import part_of
 from stratagem.precisions import precision_of
 from stratagem.strategy import Strategy
-from stratagem.training import check_update, clip_norm_, update
+from stratagem.training import check_optimizer, check_update, clip_norm_, update
 from stratagem.validators import is_number, require
 
 __all__ = ["ClipState", "with_clipping"]
@@ -102,14 +102,17 @@ class ClipUpdate:
     def __call__(
         self, optimizer: torch.optim.Optimizer, module: torch.nn.Module, ctx: Context
     ) -> None:
-        check_update(optimizer, module, ctx)
         if self.inner is update:
+            check_update(optimizer, module, ctx)
             # The plain update is step, then zero_grad: clipping before it is clipping inside
             # its step, without a hook around the optimizer (a tenth of a tiny step's time).
             self.clip(optimizer, module, ctx)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             return
+        # The inner update checks the rest, in its own order (fsdp's optimizer-before-wrap first).
+        check_optimizer(optimizer, "update")
+        check_context(ctx, "update")
 
         def on_step(step: Callable[[], Any]) -> Any:  # the inner update's optimizer step
             self.clip(optimizer, module, ctx)

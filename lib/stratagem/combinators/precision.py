@@ -33,7 +33,7 @@ from stratagem.precisions import (
     precision_of,
 )
 from stratagem.strategy import Strategy, applied
-from stratagem.training import check_loss, check_update, move_batch
+from stratagem.training import check_loss, check_optimizer, move_batch
 from stratagem.trees import map_tensors
 from stratagem.validators import require
 
@@ -147,7 +147,7 @@ class ScaledUpdate:
     def __call__(
         self, optimizer: torch.optim.Optimizer, module: torch.nn.Module, ctx: Context
     ) -> None:
-        check_update(optimizer, module, ctx)
+        check_optimizer(optimizer, "update")  # the inner update checks the rest, in its order
         state = _state(ctx, "update")
 
         def on_step(step: Callable[[], Any]) -> Any:

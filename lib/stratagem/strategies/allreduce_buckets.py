@@ -192,10 +192,13 @@ def make_buckets(
         members = [params[i] for i in indices]
         dtype = _on_wire(members[0].dtype, wire)
         tail = len(params) + 1 if number == len(plan) - 1 else 0
-        sizes = [m.numel() for m in members]
-        flat = torch.empty(sum(sizes) + tail, dtype=dtype, device=members[0].device)
-        *slices, rest = flat.split_with_sizes([*sizes, tail])
-        views = [piece.view(m.shape) for piece, m in zip(slices, members, strict=True)]
-        flags = rest if tail else None
+        size = sum(m.numel() for m in members)
+        flat = torch.empty(size + tail, dtype=dtype, device=members[0].device)
+        # narrow, not split_with_sizes: a split's pieces refuse in-place ops with a grad operand.
+        views, offset = [], 0
+        for member in members:
+            views.append(flat.narrow(0, offset, member.numel()).view(member.shape))
+            offset += member.numel()
+        flags = flat.narrow(0, size, tail) if tail else None
         made.append(Bucket(indices, flat, views, flags, shared=dtype == members[0].dtype))
     return made
