@@ -35,7 +35,6 @@ __all__ = [
     "check_optimizer_holds",
     "check_update",
     "mark_inside_a_wrapper",
-    "module_refusal",
     "move_batch",
     "move_to_device",
     "no_sync",
@@ -52,14 +51,9 @@ def check_module(module: object, function: str) -> torch.nn.Module:
         UsageError: it is not (arguments in the wrong order, an optimizer, ...).
     """
     if not isinstance(module, torch.nn.Module):
-        raise module_refusal(module, function)
+        hint = "; pass the module that wrap returned"
+        raise refusal(f"{function}: 'module'", "a torch.nn.Module", module, hint=hint)
     return module
-
-
-def module_refusal(module: object, function: str) -> Exception:
-    """Return the error `check_module` raises, for a caller that tests ``isinstance`` itself."""
-    hint = "; pass the module that wrap returned"
-    return refusal(f"{function}: 'module'", "a torch.nn.Module", module, hint=hint)
 
 
 def check_loss(loss: object, function: str) -> torch.Tensor:

@@ -88,8 +88,7 @@ class AllreduceThenStep:
     def __call__(self, optimizer: torch.optim.Optimizer, module: object, ctx: Context) -> None:
         # Before any collective, so that every rank fails alike.
         training.check_update(optimizer, module, ctx)
-        if not isinstance(module, torch.nn.Module):
-            raise training.module_refusal(module, "update")
+        module = training.check_module(module, "update")
         # is_distributed(ctx), without its two calls: a world of one has nothing to average.
         if ctx.group is not None and ctx.env.world_size > 1:
             average_gradients_overlapped(
