@@ -128,6 +128,8 @@ def test_without_ray_building_or_launching_names_the_extra(monkeypatch):
     fix = r"needs Ray, which is not installed .*pip install 'stratagem\[ray\]'"
     with pytest.raises(sg.LaunchError, match=fix):
         ray_launcher(num_workers=2)
+    with pytest.raises(sg.LaunchError, match=fix):  # one record, one check: whichever name
+        attrs.evolve(launcher, timeout=60.0)
     with pytest.raises(sg.LaunchError, match=fix):
         sg.launch(
             whoami, attrs.evolve(sg.ddp(device="cpu"), launch=launcher), devices=2, args=("x",)

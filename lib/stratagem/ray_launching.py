@@ -1,4 +1,4 @@
-"""Launching on Ray: the `RayLaunch` launch field and its factory `ray_launcher`.
+"""Launching on Ray: the `RayLaunch` launch field (also named `ray_launcher`).
 
 ``attrs.evolve(ddp(), launch=ray_launcher(num_workers=2))`` runs the same
 training function as ``ddp_spawn()``, its ranks Ray actors instead of
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import math
 import os
 import pickle
@@ -93,6 +94,13 @@ _FIX = (
 )
 
 
+def _ray_installed() -> bool:
+    try:
+        return importlib.util.find_spec("ray") is not None
+    except (ImportError, ValueError):  # sys.modules["ray"] is None: its import is blocked
+        return False
+
+
 def _ray() -> Any:
     """Import Ray, or say how to install it."""
     try:
@@ -103,7 +111,14 @@ def _ray() -> Any:
 
 @attrs.frozen(kw_only=True)
 class RayLaunch:
-    """Launch field that runs each rank in a Ray actor on this node (build it with `ray_launcher`).
+    """Launch field that runs each rank in a Ray actor on this machine (also `ray_launcher`).
+
+    Substitute it for a strategy's launch field: the training function, the
+    results (in rank order) and the errors (`RankError`) are those of
+    ``ddp_spawn()``. Inside a world torchrun or SLURM started, it runs in place
+    instead, as `Spawn` does. Whether Ray is installed is checked at
+    construction, without importing it (that takes seconds); Ray is imported
+    when a launch starts.
 
     Attributes:
         num_workers: how many ranks (actors) to start, or ``None`` for one per
@@ -117,7 +132,16 @@ class RayLaunch:
             result, before it is killed (its result is kept).
 
     Raises:
+        LaunchError: Ray is not installed (`NEEDS_RAY`).
         UsageError: a setting is out of range (the message names it).
+
+    Example:
+        ``sg.launch(train, on_ray, devices=2)`` then runs ``train`` on two Ray actors:
+
+        >>> import attrs, stratagem as sg
+        >>> on_ray = attrs.evolve(sg.ddp(), launch=sg.ray_launcher(num_workers=2))
+        >>> on_ray.launch.num_workers, on_ray.launch.exit_timeout
+        (2, 30.0)
     """
 
     num_workers: int | None = attrs.field(default=None, validator=_WORKERS)
@@ -125,6 +149,10 @@ class RayLaunch:
     timeout: float = attrs.field(default=86_400.0, validator=_SECONDS)
     start_timeout: float = attrs.field(default=120.0, validator=_SECONDS)
     exit_timeout: float = attrs.field(default=30.0, validator=_SECONDS)
+
+    def __attrs_post_init__(self) -> None:
+        if not _ray_installed():  # refused when built, not only when a launch starts
+            raise LaunchError(NEEDS_RAY.format(error="No module named 'ray'"))
 
     def __call__(
         self, fn: Callable[..., Any], strategy: StrategyLike, devices: int, args: Sequence[Any]
@@ -145,50 +173,8 @@ class RayLaunch:
             return _RayWorld(self, ray, devices, port, payload).run()
 
 
-def ray_launcher(
-    *,
-    num_workers: int | None = None,
-    cpus_per_worker: float = 1.0,
-    timeout: float = 86_400.0,
-    start_timeout: float = 120.0,
-    exit_timeout: float = 30.0,
-) -> RayLaunch:
-    """Return a launch field that runs each rank in a Ray actor on this machine.
-
-    Substitute it for a strategy's launch field: the training function, the
-    results (in rank order) and the errors (`RankError`) are those of
-    ``ddp_spawn()``. Inside a world torchrun or SLURM started, it runs in place
-    instead, as `Spawn` does.
-
-    Args:
-        num_workers: ranks to start; ``None`` starts one per ``devices`` given to
-            `launch`, an int requires ``devices`` to equal it.
-        cpus_per_worker: CPUs each actor asks Ray for.
-        timeout: seconds the run may take once the workers started.
-        start_timeout: seconds for Ray to start every worker.
-        exit_timeout: seconds a rank's teardown may take after its result.
-
-    Raises:
-        LaunchError: Ray is not installed (`NEEDS_RAY`).
-        UsageError: an argument is out of range.
-
-    Example:
-        ``sg.launch(train, on_ray, devices=2)`` then runs ``train`` on two Ray actors:
-
-        >>> import attrs, stratagem as sg
-        >>> on_ray = attrs.evolve(sg.ddp(), launch=RayLaunch(num_workers=2))
-        >>> on_ray.launch.num_workers, on_ray.launch.exit_timeout
-        (2, 30.0)
-    """
-    launcher = RayLaunch(
-        num_workers=num_workers,
-        cpus_per_worker=cpus_per_worker,
-        timeout=timeout,
-        start_timeout=start_timeout,
-        exit_timeout=exit_timeout,
-    )
-    _ray()  # checked once, at construction, not only when a launch starts
-    return launcher
+ray_launcher = RayLaunch
+"""``ray_launcher(**settings)`` builds a `RayLaunch`: the name the docs and examples use."""
 
 
 @contextlib.contextmanager
