@@ -414,6 +414,39 @@ def test_the_cli_quotes_an_entry_name_that_looks_like_a_path(tmp_path):
     assert "  '../../etc/passwd' (value)" in done.stdout.splitlines(), done.stdout
 
 
+# ------------------------------------------------- digit runs of thousands (crafted keys)
+
+THOUSANDS = "1" * 5000  # int() refuses more than 4,300 digits: a ValueError, not a refusal
+
+
+def test_a_rank_key_of_thousands_of_digits_fails_the_load_as_a_checkpoint_error(tmp_path):
+    ctx = single()
+    sg.checkpoint.save(tmp_path / "c", {"model": model_of(1), "seen": sg.per_rank(3)}, ctx)
+    rewrite_metadata(
+        tmp_path / "c", lambda m: m.planner_data.update({"seen.0": ("seen", THOUSANDS)})
+    )
+    model = model_of(2)
+    with pytest.raises(CheckpointError, match=r"lists rank 0's value 'seen' but holds no data"):
+        sg.checkpoint.load(tmp_path / "c", {"model": model, "seen": sg.per_rank(0)}, ctx)
+    assert torch.equal(model.weight, model_of(2).weight)  # refused before anything changed
+    lines = str(sg.checkpoint.describe(tmp_path / "c")).splitlines()  # and shown as it is
+    assert lines[lines.index("  seen (per_rank_value)") + 1].strip().startswith(THOUSANDS)
+
+
+def test_describe_shows_an_entry_named_with_thousands_of_digits(tmp_path):
+    crafted_with_entry(tmp_path / "c", f"n{THOUSANDS}")
+    lines = str(sg.checkpoint.describe(tmp_path / "c")).splitlines()
+    assert f"  n{THOUSANDS} (value)" in lines
+
+
+def test_describe_orders_keys_by_the_value_of_their_numbers(tmp_path):
+    model = torch.nn.Sequential(*(torch.nn.Linear(1, 1, bias=False) for _ in range(11)))
+    sg.checkpoint.save(tmp_path / "c", {"model": model}, single())
+    lines = str(sg.checkpoint.describe(tmp_path / "c")).splitlines()
+    shown = [line.split(":")[0].strip() for line in lines if line.endswith("float32[1, 1]")]
+    assert shown == [f"{index}.weight" for index in range(11)]  # 2 before 10, as numbers
+
+
 # ------------------------------------------------------------------- locks and leftovers
 
 

@@ -105,9 +105,16 @@ def _name(name: str) -> str:
     return repr(name) if "/" in name or name != name.strip() else name
 
 
-def _natural(key: str) -> list[str | int]:
-    """Return a sort key: text as text, runs of digits by value (``2.w`` before ``10.w``)."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key)]
+def _natural(key: str) -> list[str | tuple[int, str]]:
+    """Return a sort key: text as text, runs of digits by value (``2.w`` before ``10.w``).
+
+    A run is ordered by its length without leading zeros, then as text: its value's
+    order, without ``int()``, which refuses a crafted key's thousands of digits.
+    """
+    parts = re.split(r"(\d+)", key)  # text, digits, text, ...: a position holds one kind
+    return [
+        (len(part.lstrip("0")), part) if index % 2 else part for index, part in enumerate(parts)
+    ]
 
 
 @attrs.frozen
