@@ -556,6 +556,33 @@ def test_a_save_path_with_a_nul_byte_is_refused(tmp_path):
     assert listing(tmp_path) == []
 
 
+@dataclasses.dataclass
+class BytesPath:
+    """A path-like whose ``__fspath__`` gives bytes, as ``os.PathLike[bytes]`` may."""
+
+    path: bytes
+
+    def __fspath__(self) -> bytes:
+        return self.path
+
+
+@pytest.mark.parametrize("nul", [False, True])
+@pytest.mark.parametrize("call", ["save", "latest", "exists", "describe"])
+def test_a_path_like_of_bytes_is_refused_naming_the_argument(tmp_path, call, nul):
+    path = BytesPath(os.fsencode(tmp_path / ("a\0b" if nul else "c")))
+    calls = {
+        "save": lambda: sg.checkpoint.save(path, {"model": model_of(1)}, single()),
+        "latest": lambda: sg.checkpoint.latest(path),
+        "exists": lambda: sg.checkpoint.exists(path),
+        "describe": lambda: sg.checkpoint.describe(path),
+    }
+    name = "directory" if call == "latest" else "path"
+    with pytest.raises(UsageError, match=rf"{call}: '{name}' must be .*str") as caught:
+        calls[call]()
+    one_line(caught.value)
+    assert listing(tmp_path) == []
+
+
 @pytest.mark.slow
 def test_a_directory_of_another_user_is_refused_in_one_line(tmp_path):
     # As root, permission bits do not bind: the save runs in a user namespace (unshare -U),

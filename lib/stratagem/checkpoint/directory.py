@@ -871,31 +871,33 @@ def latest(directory: str | os.PathLike[str]) -> Path | None:
     return None if newest is None else newest.directory
 
 
-def path_text(value: object, function: str, name: str) -> Any:
-    """Return ``os.fspath(value)`` (bytes for a bytes path-like), checked to be a non-empty path.
+def path_text(value: object, function: str, name: str) -> str:
+    """Return ``os.fspath(value)``, checked to be a non-empty path of text without a NUL byte.
 
     Raises:
-        UsageError: ``value``, the argument ``name`` of ``function``, is not
-            a non-empty str or path-like.
+        UsageError: ``value``, the argument ``name`` of ``function``, is not a
+            non-empty str or a path-like of one (a path-like of bytes included),
+            or holds a NUL byte.
     """
-    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
-        raise validators.refusal(f"{function}: '{name}'", "a str or os.PathLike", value)
-    return os.fspath(value)
+    text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    if not isinstance(text, str) or not text:
+        wanted = "a str or os.PathLike of a str"
+        raise validators.refusal(f"{function}: '{name}'", wanted, value)
+    if "\0" in text:
+        raise UsageError(
+            f"{function}: '{name}' holds a NUL byte ({text!r}), which no file name may; pass "
+            "the path without it."
+        )
+    return text
 
 
 def checked_path(path: object, function: str) -> Path:
     """Return ``path`` as an absolute `Path`.
 
     Raises:
-        UsageError: ``path`` is not a non-empty str or path-like.
+        UsageError: as `path_text`.
     """
-    text = path_text(path, function, "path")
-    if (b"\0" if isinstance(text, bytes) else "\0") in text:
-        raise UsageError(
-            f"{function}: 'path' holds a NUL byte ({text!r}), which no file name may; pass the "
-            "path without it."
-        )
-    return Path(text).absolute()
+    return Path(path_text(path, function, "path")).absolute()
 
 
 def run_directory(directory: object, function: str) -> Path:
@@ -904,14 +906,10 @@ def run_directory(directory: object, function: str) -> Path:
     It need not exist yet.
 
     Raises:
-        UsageError: it is not a str or path-like, holds a NUL byte, is a file
-            or a link that leads nowhere, or is itself a checkpoint.
+        UsageError: as `path_text`, or it is a file or a link that leads
+            nowhere, or is itself a checkpoint.
     """
     text = path_text(directory, function, "directory")
-    if "\0" in str(text):
-        raise UsageError(
-            f"{function}: 'directory' holds a NUL byte ({text!r}); pass the path without it."
-        )
     parent = Path(text)
     if os.path.lexists(parent) and not parent.is_dir():
         what = "a link that leads nowhere" if parent.is_symlink() else "a file"
