@@ -242,6 +242,10 @@ def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device, non_blocking=True)
 
 
+_MODULE, _TENSOR = torch.nn.Module, torch.Tensor
+_FORWARD = "None or a function forward(module, batch)"
+
+
 def move_batch(batch: Any, device: torch.device) -> Any:
     """`move_to_device` for a ``device`` known to be a ``torch.device`` (a context's): no check."""
     # A plain tensor first, without a walk: this runs on every step.
@@ -316,15 +320,27 @@ def step(
             ``module`` is one that ``ddp()``'s wrap put inside its wrapper
             (`UNWRAPPED_UNDER_DDP`).
     """
-    # Every step runs this: one test for the common case; the checks and their messages after.
-    ok = forward is None or callable(forward)
-    if not (ok and isinstance(module, torch.nn.Module) and isinstance(ctx, Context)):
+    # Every step runs this. In a loop whose code and data are cold after each torch step, what
+    # costs is how many objects a step touches, so the usual case is one test, the batch walk
+    # inline, and module-level names (`_MODULE`, `_TENSOR`): the checks and messages after.
+    if not (
+        isinstance(module, _MODULE)
+        and ctx.__class__ is Context
+        and (forward is None or callable(forward))
+    ):
         check_module(module, "step")
         check_context(ctx, "step")
-        require(ok, "step: 'forward'", "None or a function forward(module, batch)", forward)
+        require(callable(forward) or forward is None, "step: 'forward'", _FORWARD, forward)
     if _INSIDE and torch.is_grad_enabled():  # evaluation under no_grad through it is fine
         check_not_inside(module, "step")
-    batch = move_batch(batch, ctx.device)
+    device = ctx.device
+    if type(batch) is tuple:  # the usual (inputs, targets), already there: kept as it is
+        for part in batch:
+            if type(part) is not _TENSOR or part.device != device:
+                batch = move_batch(batch, device)
+                break
+    else:
+        batch = move_batch(batch, device)
     if forward is not None:
         return forward(module, batch)
     try:
@@ -343,13 +359,18 @@ def backward(loss: torch.Tensor, module: torch.nn.Module, ctx: Context) -> None:
         UsageError: ``loss`` is not a one-element tensor that requires grad, or
             ``ctx`` is not a `Context`.
     """
-    # One test in the usual case (every step runs this); the checks and their messages after.
-    if not (ctx.__class__ is Context and loss.__class__ is torch.Tensor and loss.requires_grad):
+    if ctx.__class__ is not Context or loss.__class__ is not _TENSOR:  # torch takes a tuple
         check_context(ctx, "backward")
         check_loss(loss, "backward")
-    elif loss.numel() != 1:
-        check_loss(loss, "backward")  # raises, saying how to reduce it
-    torch.autograd.backward(loss)
+    # torch refuses a tensor that is not one element requiring grad before any backward runs,
+    # so the usual step pays for no test of its own: the check and its message come after.
+    try:
+        torch.autograd.backward(loss)
+        return
+    except RuntimeError:
+        if loss.numel() == 1 and loss.requires_grad:
+            raise  # a failure inside a valid loss's backward: torch's own error, unchanged
+    check_loss(loss, "backward")  # raises, saying what is wrong with the loss and how to fix it
 
 
 def update(optimizer: torch.optim.Optimizer, module: torch.nn.Module, ctx: Context) -> None:
