@@ -206,6 +206,26 @@ def test_no_optimizer_and_no_module_are_refused_after_the_trusted_pair_died() ->
             strategy.update(None, None, strategy.setup(sg.Env()))
 
 
+class NotAModule:
+    """Weakly referable, as a module is: a pair of it could be trusted."""
+
+
+def test_allreduce_update_refuses_a_non_module_on_every_call() -> None:
+    # allreduce_grads' update skips its checks for the trusted pair; a pair whose "module" is
+    # none must never become it, or the second call steps it unchecked.
+    strategy = sg.allreduce_grads(device="cpu")
+    ctx = strategy.setup(sg.Env())  # a world of one in this process: a real gloo group
+    try:
+        model = torch.nn.Linear(3, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        stranger = NotAModule()
+        for _ in range(2):
+            with pytest.raises(sg.UsageError, match=r"^update: 'module' must be a torch.nn"):
+                strategy.update(optimizer, stranger, ctx)
+    finally:
+        strategy.teardown(ctx)
+
+
 @pytest.mark.parametrize(
     "combine",
     [

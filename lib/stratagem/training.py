@@ -26,6 +26,7 @@ from stratagem.validators import is_number, refusal, require
 __all__ = [
     "OPTIMIZER_NOT_FOR_MODULE",
     "STEP_WITHOUT_FORWARD",
+    "TRUSTED_PAIR",
     "UNWRAPPED_UNDER_DDP",
     "backward",
     "check_loss",
@@ -34,6 +35,7 @@ __all__ = [
     "check_optimizer",
     "check_optimizer_holds",
     "check_update",
+    "is_trusted",
     "mark_inside_a_wrapper",
     "move_batch",
     "move_to_device",
@@ -119,12 +121,15 @@ def _dead() -> object:
 
 
 def _forget(_: object) -> None:
-    _HELD_PAIR[:] = [_dead, _dead]  # a dead reference returns None, which a caller may pass
+    TRUSTED_PAIR[:] = [_dead, _dead]  # a dead reference returns None, which a caller may pass
 
 
-# Weak references of the last (optimizer, module) pair whose update passed every check
-# (`check_update`): the usual loop's pair, trusted from then on for two dereferences a step.
-_HELD_PAIR: list[Any] = [_dead, _dead]
+TRUSTED_PAIR: list[Any] = [_dead, _dead]
+"""Weak references of the last (optimizer, module) pair that passed `check_update`.
+
+The usual loop's pair, trusted from then on: an update layer tests it as `is_trusted` does,
+inline where a call would cost a step (`update`, ``allreduce_grads``'), and checks only if not.
+"""
 
 
 def check_optimizer_holds(optimizer: Any, module: object, function: str) -> None:
@@ -141,7 +146,7 @@ def check_optimizer_holds(optimizer: Any, module: object, function: str) -> None
     """
     if isinstance(optimizer, OptimizerHook):  # a combinator's view, made anew for every update
         optimizer = root_optimizer(optimizer)
-    last_optimizer, last_module = _HELD_PAIR
+    last_optimizer, last_module = TRUSTED_PAIR
     if last_optimizer() is optimizer and last_module() is module:
         return  # the usual loop: one pair, two dereferences
     try:
@@ -180,16 +185,28 @@ def check_update(optimizer: Any, module: object, ctx: object, function: str = "u
             (`OPTIMIZER_NOT_FOR_MODULE`), or ``module`` is one that ``ddp()``'s
             wrap put inside its wrapper (`UNWRAPPED_UNDER_DDP`).
     """
-    last_optimizer, last_module = _HELD_PAIR
+    last_optimizer, last_module = TRUSTED_PAIR
     if last_optimizer() is optimizer and last_module() is module and ctx.__class__ is Context:
         return
     check_optimizer(optimizer, function)
     check_context(ctx, function)
     check_not_inside(module, function)
     check_optimizer_holds(optimizer, module, function)
-    if not isinstance(optimizer, OptimizerHook):  # a hook is made anew for every update
+    # A hook is made anew for every update; a module that is none is checked every time by the
+    # layers that need one.
+    if not isinstance(optimizer, OptimizerHook) and isinstance(module, torch.nn.Module):
         with contextlib.suppress(TypeError):  # no weak references: checked every time
-            _HELD_PAIR[:] = [weakref.ref(optimizer, _forget), weakref.ref(module, _forget)]
+            TRUSTED_PAIR[:] = [weakref.ref(optimizer, _forget), weakref.ref(module, _forget)]
+
+
+def is_trusted(optimizer: Any, module: object, ctx: object) -> bool:
+    """Whether ``check_update`` passed this (optimizer, module) pair, and ``ctx`` is a `Context`.
+
+    An update layer with checks of its own (fsdp's, allreduce's) makes them, and
+    `check_update`, only while this is false: checked once, then trusted.
+    """
+    last_optimizer, last_module = TRUSTED_PAIR
+    return last_optimizer() is optimizer and last_module() is module and ctx.__class__ is Context
 
 
 UNWRAPPED_UNDER_DDP = (
@@ -213,7 +230,7 @@ def mark_inside_a_wrapper(module: torch.nn.Module) -> None:
         _INSIDE.pop(key, None)
 
     _INSIDE[key] = weakref.ref(module, forget)
-    _HELD_PAIR[:] = [_dead, _dead]  # a pair known before may now name the module inside
+    TRUSTED_PAIR[:] = [_dead, _dead]  # a pair known before may now name the module inside
 
 
 def check_not_inside(module: object, function: str) -> None:
@@ -379,7 +396,7 @@ def update(optimizer: torch.optim.Optimizer, module: torch.nn.Module, ctx: Conte
     Raises:
         UsageError: as `check_update`.
     """
-    last_optimizer, last_module = _HELD_PAIR  # the trusted pair, tested here: a call saved a step
+    last_optimizer, last_module = TRUSTED_PAIR  # the trusted pair, tested here: a call saved a step
     if not (last_optimizer() is optimizer and last_module() is module and ctx.__class__ is Context):
         check_update(optimizer, module, ctx)
     optimizer.step()

@@ -23,7 +23,7 @@ sharding, checkpoints, teardown) is ``ddp()``'s own.
 
 from __future__ import annotations
 
-from typing import Unpack
+from typing import Unpack, cast
 
 import attrs
 import torch
@@ -86,15 +86,20 @@ class AllreduceThenStep:
     compression: Compression | None = attrs.field(default=None, validator=_COMPRESSION)
 
     def __call__(self, optimizer: torch.optim.Optimizer, module: object, ctx: Context) -> None:
-        # Before any collective, so that every rank fails alike.
-        training.check_update(optimizer, module, ctx)
-        module = training.check_module(module, "update")
+        last_optimizer, last_module = training.TRUSTED_PAIR  # training.is_trusted, inline
+        if not (
+            last_optimizer() is optimizer and last_module() is module and ctx.__class__ is Context
+        ):
+            # Before any collective, so that every rank fails alike.
+            training.check_update(optimizer, module, ctx)
+            training.check_module(module, "update")
         # is_distributed(ctx), without its two calls: a world of one has nothing to average.
         if ctx.group is not None and ctx.env.world_size > 1:
+            checked = cast(torch.nn.Module, module)  # a trusted pair's module is one
             average_gradients_overlapped(
-                module, ctx, bucket_mb=self.bucket_mb, compression=self.compression
+                checked, ctx, bucket_mb=self.bucket_mb, compression=self.compression
             )
-        optimizer.step()  # training.update, whose checks have just passed
+        optimizer.step()  # training.update, whose checks have passed
         optimizer.zero_grad(set_to_none=True)
 
 

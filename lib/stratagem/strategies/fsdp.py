@@ -50,22 +50,24 @@ def fsdp_update(optimizer: torch.optim.Optimizer, module: torch.nn.Module, ctx: 
     """Update field: check that ``optimizer`` holds sharded parameters, then step and zero grads.
 
     The check looks at the first parameter of each group, so it costs the same
-    for any model size.
+    for any model size; it is made with `training.check_update`'s, once per
+    (optimizer, module) pair, which is then trusted.
 
     Raises:
         UsageError: a parameter group starts with a plain tensor, the mark of
             an optimizer built before ``wrap`` (`OPTIMIZER_BEFORE_WRAP`).
     """
-    training.check_optimizer(optimizer, "update")
-    check_context(ctx, "update")
-    # Not imported, nothing is sharded; an import statement here would cost a µs every step.
-    tensors = sys.modules.get("torch.distributed.tensor")
-    for group in optimizer.param_groups:
-        params = group["params"]
-        if params and (tensors is None or not isinstance(params[0], tensors.DTensor)):
-            first = params[0]
-            what = f"a {type(first).__name__} of shape {tuple(first.shape)}"
-            raise UsageError(OPTIMIZER_BEFORE_WRAP.format(what=what))
+    if not training.is_trusted(optimizer, module, ctx):  # checked once per pair, then trusted
+        training.check_optimizer(optimizer, "update")
+        check_context(ctx, "update")
+        # Not imported, nothing is sharded (an import statement costs a µs).
+        tensors = sys.modules.get("torch.distributed.tensor")
+        for group in optimizer.param_groups:
+            params = group["params"]
+            if params and (tensors is None or not isinstance(params[0], tensors.DTensor)):
+                first = params[0]
+                what = f"a {type(first).__name__} of shape {tuple(first.shape)}"
+                raise UsageError(OPTIMIZER_BEFORE_WRAP.format(what=what))
     training.update(optimizer, module, ctx)
 
 
