@@ -95,10 +95,9 @@ _FIX = (
 
 
 def _ray_installed() -> bool:
-    try:
+    with contextlib.suppress(ValueError):  # a "ray" module without a spec: not Ray
         return importlib.util.find_spec("ray") is not None
-    except (ImportError, ValueError):  # sys.modules["ray"] is None: its import is blocked
-        return False
+    return False
 
 
 def _ray() -> Any:

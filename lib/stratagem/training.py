@@ -124,12 +124,10 @@ def _forget(_: object) -> None:
     TRUSTED_PAIR[:] = [_dead, _dead]  # a dead reference returns None, which a caller may pass
 
 
+# Weak references of the last (optimizer, module) pair that passed `check_update`: the usual
+# loop's pair, trusted from then on. An update layer tests it as `is_trusted` does, inline where
+# a call would cost a step (`update`, allreduce_grads'), and checks only if it is not the pair.
 TRUSTED_PAIR: list[Any] = [_dead, _dead]
-"""Weak references of the last (optimizer, module) pair that passed `check_update`.
-
-The usual loop's pair, trusted from then on: an update layer tests it as `is_trusted` does,
-inline where a call would cost a step (`update`, ``allreduce_grads``'), and checks only if not.
-"""
 
 
 def check_optimizer_holds(optimizer: Any, module: object, function: str) -> None:
@@ -260,20 +258,13 @@ def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 _MODULE, _TENSOR = torch.nn.Module, torch.Tensor
-_FORWARD = "None or a function forward(module, batch)"
 
 
 def move_batch(batch: Any, device: torch.device) -> Any:
     """`move_to_device` for a ``device`` known to be a ``torch.device`` (a context's): no check."""
-    # A plain tensor first, without a walk: this runs on every step.
+    # A plain tensor first, without a walk (`step` tests an (inputs, targets) tuple itself).
     if isinstance(batch, torch.Tensor):
         return batch if batch.device == device else _moved(batch, device)
-    if type(batch) is tuple:  # the usual (inputs, targets), already there: kept as it is
-        for part in batch:
-            if not isinstance(part, torch.Tensor) or part.device != device:
-                break
-        else:
-            return batch
     return map_tensors(lambda t: t if t.device == device else _moved(t, device), batch)
 
 
@@ -340,14 +331,11 @@ def step(
     # Every step runs this. In a loop whose code and data are cold after each torch step, what
     # costs is how many objects a step touches, so the usual case is one test, the batch walk
     # inline, and module-level names (`_MODULE`, `_TENSOR`): the checks and messages after.
-    if not (
-        isinstance(module, _MODULE)
-        and ctx.__class__ is Context
-        and (forward is None or callable(forward))
-    ):
+    ok = forward is None or callable(forward)
+    if not (isinstance(module, _MODULE) and ctx.__class__ is Context and ok):
         check_module(module, "step")
         check_context(ctx, "step")
-        require(callable(forward) or forward is None, "step: 'forward'", _FORWARD, forward)
+        require(ok, "step: 'forward'", "None or a function forward(module, batch)", forward)
     if _INSIDE and torch.is_grad_enabled():  # evaluation under no_grad through it is fine
         check_not_inside(module, "step")
     device = ctx.device

@@ -884,10 +884,8 @@ def path_text(value: object, function: str, name: str) -> str:
         wanted = "a str or os.PathLike of a str"
         raise validators.refusal(f"{function}: '{name}'", wanted, value)
     if "\0" in text:
-        raise UsageError(
-            f"{function}: '{name}' holds a NUL byte ({text!r}), which no file name may; pass "
-            "the path without it."
-        )
+        nul = f"{function}: '{name}' holds a NUL byte ({text!r}), which no file name may"
+        raise UsageError(f"{nul}; pass the path without it.")
     return text
 
 

@@ -23,7 +23,7 @@ sharding, checkpoints, teardown) is ``ddp()``'s own.
 
 from __future__ import annotations
 
-from typing import Unpack, cast
+from typing import Unpack
 
 import attrs
 import torch
@@ -85,7 +85,9 @@ class AllreduceThenStep:
     bucket_mb: float = attrs.field(default=25.0, validator=_BUCKET_MB)
     compression: Compression | None = attrs.field(default=None, validator=_COMPRESSION)
 
-    def __call__(self, optimizer: torch.optim.Optimizer, module: object, ctx: Context) -> None:
+    def __call__(
+        self, optimizer: torch.optim.Optimizer, module: torch.nn.Module, ctx: Context
+    ) -> None:
         last_optimizer, last_module = training.TRUSTED_PAIR  # training.is_trusted, inline
         if not (
             last_optimizer() is optimizer and last_module() is module and ctx.__class__ is Context
@@ -95,9 +97,8 @@ class AllreduceThenStep:
             training.check_module(module, "update")
         # is_distributed(ctx), without its two calls: a world of one has nothing to average.
         if ctx.group is not None and ctx.env.world_size > 1:
-            checked = cast(torch.nn.Module, module)  # a trusted pair's module is one
             average_gradients_overlapped(
-                checked, ctx, bucket_mb=self.bucket_mb, compression=self.compression
+                module, ctx, bucket_mb=self.bucket_mb, compression=self.compression
             )
         optimizer.step()  # training.update, whose checks have passed
         optimizer.zero_grad(set_to_none=True)
