@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import gc
-import timeit
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -109,17 +108,27 @@ def test_the_verdict_is_cached_per_pair_and_a_new_pair_is_checked(single) -> Non
     train_step(strategy, model, good, ctx)
 
 
-def test_the_check_costs_well_under_a_microsecond_once_cached(single) -> None:
+class CountingWalks(torch.nn.Sequential):
+    """A Sequential that counts the walks over its parameters."""
+
+    def parameters(self, recurse: bool = True):
+        self.walks = getattr(self, "walks", 0) + 1
+        return super().parameters(recurse)
+
+
+def test_the_check_walks_the_parameters_once_per_pair(single) -> None:
+    # What a step pays once the pair is known is a lookup, whatever the module's size: the
+    # parameters are walked by the first check only. (Its cost in time is benchmarks/overhead_us',
+    # not a timed unit test's: a loaded machine ran this 1.25 µs a call.)
     strategy, ctx = single
-    model = strategy.wrap(torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(50)]), ctx)
+    model = strategy.wrap(CountingWalks(*[torch.nn.Linear(4, 4) for _ in range(50)]), ctx)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     from stratagem.training import check_optimizer_holds
 
-    check_optimizer_holds(optimizer, model, "update")
-    seconds = min(
-        timeit.repeat(lambda: check_optimizer_holds(optimizer, model, "update"), number=2000)
-    )
-    assert seconds / 2000 < 1e-6, seconds / 2000  # independent of the 100 parameters
+    model.walks = 0
+    for _ in range(100):
+        check_optimizer_holds(optimizer, model, "update")
+    assert model.walks == 1
 
 
 def test_fsdp_update_refuses_an_optimizer_of_another_sharded_module() -> None:
