@@ -232,6 +232,27 @@ def test_accumulation_updates_only_at_the_end_of_a_window():
         assert torch.equal(model.weight, start) == (index < 2)
 
 
+def test_accumulation_refuses_a_context_without_its_window():
+    """A Context from another strategy's setup has no window: refused before a gradient moves.
+
+    With one process's ``no_sync`` the step has nothing to enter and passes the batch on; the
+    backward, which divides by the window, names the missing state and runs no backward.
+    """
+    strategy = sg.accumulate(sg.single_device("cpu"), 2)
+    foreign = sg.single_device("cpu").setup(sg.Env())
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = strategy.step(model, torch.ones(1, 2), foreign).sum()
+    with pytest.raises(sg.UsageError, match="ctx has no accumulation state; pass the Context"):
+        strategy.backward(loss, model, foreign)
+    assert all(parameter.grad is None for parameter in model.parameters())
+    with pytest.raises(sg.UsageError, match="ctx has no accumulation state; pass the Context"):
+        strategy.update(optimizer, model, foreign)
+    waits = attrs.evolve(strategy, no_sync=lambda module, ctx: training.no_sync(module, ctx))
+    with pytest.raises(sg.UsageError, match="ctx has no accumulation state; pass the Context"):
+        waits.step(model, torch.ones(1, 2), foreign)
+
+
 # --- refusals ----------------------------------------------------------------------------
 
 

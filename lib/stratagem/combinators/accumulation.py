@@ -116,18 +116,15 @@ class AccumulationStep:
     def __call__(
         self, module: torch.nn.Module, batch: Any, ctx: Context, *, forward: ForwardFn | None = None
     ) -> Any:
+        # One process's no_sync does nothing: there is nothing to enter, and the inner step
+        # checks its arguments (backward and update find the window's state).
+        if self.no_sync is no_sync:
+            return self.inner(module, batch, ctx, forward=forward)
         state = ctx.extras.get("accumulation") if ctx.__class__ is Context else None
-        # Every micro-batch runs this: one test, usually; the checks and their messages after.
         if not (state.__class__ is AccumulationState and isinstance(module, torch.nn.Module)):
             check_module(module, "step")
             state = _state(ctx, "step")
-        # One process's no_sync does nothing: entering it would only cost a few calls a step.
-        if (
-            self.no_sync is not no_sync
-            and state.pending is None
-            and torch.is_grad_enabled()
-            and not state.last
-        ):
+        if state.pending is None and torch.is_grad_enabled() and not state.last:
             state.pending = self.no_sync(module, ctx)
             state.pending.__enter__()
         return self.inner(module, batch, ctx, forward=forward)
